@@ -1,0 +1,24 @@
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+PROMPT ?= The capital of France is
+
+.PHONY: install test serve clean
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.installed
+
+test: install
+	$(PY) -m pytest -q tests
+
+serve: install
+	$(VENV)/bin/lifeline generate "$(PROMPT)" --max-tokens 48
+
+clean:
+	rm -rf $(VENV) build *.egg-info
