@@ -1,0 +1,72 @@
+"""A memory-mapped GGUF file: metadata as plain Python values, tensors dequantized to torch."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+
+from lifeline.model.dequant import UnsupportedTensorType, dequantize
+
+__all__ = ["GGUFFile", "UnsupportedTensorType"]
+
+# Vocabulary-sized arrays: decoding them costs seconds, and the tokenizer reads them itself.
+TOKENIZER_ARRAYS = frozenset((
+    "tokenizer.ggml.tokens",
+    "tokenizer.ggml.scores",
+    "tokenizer.ggml.token_type",
+    "tokenizer.ggml.merges",
+))
+
+
+class GGUFFile:
+    """Tensor shapes are in PyTorch order: GGUF's [ne0, ne1] is torch's [ne1, ne0]."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = os.fspath(path)
+        self.reader = GGUFReader(self.path)
+        self.metadata: dict[str, Any] = {
+            key: field.contents()
+            for key, field in self.reader.fields.items()
+            if key not in TOKENIZER_ARRAYS
+        }
+        self._tensors: dict[str, ReaderTensor] = {t.name: t for t in self.reader.tensors}
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.metadata.get(key, default)
+
+    @property
+    def architecture(self) -> str:
+        return self.metadata["general.architecture"]
+
+    @property
+    def tensor_names(self) -> list[str]:
+        return list(self._tensors)
+
+    def _tensor(self, name: str) -> ReaderTensor:
+        if name not in self._tensors:
+            raise KeyError(f"no tensor {name!r} in {self.path}")
+        return self._tensors[name]
+
+    def tensor_type(self, name: str) -> GGMLQuantizationType:
+        return self._tensor(name).tensor_type
+
+    def tensor_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(n) for n in reversed(self._tensor(name).shape.tolist()))
+
+    def raw(self, name: str) -> tuple[np.ndarray, GGMLQuantizationType, tuple[int, ...]]:
+        """The stored bytes (uint8, [..., bytes_per_row], memory-mapped: do not write), type, shape."""
+        tensor = self._tensor(name)
+        return tensor.data.view(np.uint8), tensor.tensor_type, self.tensor_shape(name)
+
+    def load(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        data, qtype, shape = self.raw(name)
+        return dequantize(data, qtype, name).reshape(shape).to(dtype)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._tensors
+
+    def __repr__(self) -> str:
+        return f"GGUFFile({self.path!r}, {self.architecture}, {len(self._tensors)} tensors)"

