@@ -1,0 +1,225 @@
+"""The engine loop: schedule, run the model, sample, detokenize, stop; one step at a time."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from lifeline.engine.block_manager import BlockManager
+from lifeline.engine.model_runner import ModelRunner, StepInputs
+from lifeline.engine.request import FinishReason, Request, RequestStatus
+from lifeline.engine.sampler import Sampler, SamplingInput, TokenLogprobs, make_generator
+from lifeline.engine.sampling_params import SamplingParams
+from lifeline.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from lifeline.engine.stop import StopChecker
+from lifeline.model.loader import LoadedModel
+from lifeline.tokenizer import IncrementalDetokenizer
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    block_size: int = 16
+    kv_cache_memory_bytes: int = 2 << 30
+    num_kv_blocks: int | None = None
+    """Overrides `kv_cache_memory_bytes` when set."""
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be positive")
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request (deltas) plus its state so far."""
+    request_id: str
+    new_token_ids: list[int]
+    new_text: str
+    text: str
+    """All output text so far."""
+    finished: bool
+    request: Request
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    @property
+    def finish_reason(self) -> str | None:
+        r = self.request.finish_reason
+        return r.value if r else None
+
+
+@dataclass(slots=True)
+class _OutputState:
+    detokenizer: IncrementalDetokenizer | None
+    stop: StopChecker
+    text: str = ""
+
+
+class LLMEngine:
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+        self.config = config = config or EngineConfig()
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model_config = mcfg = loaded.config
+        self.tokenizer = loaded.tokenizer
+        self.loaded = loaded
+        max_len = min(config.max_model_len or mcfg.max_position, mcfg.max_position)
+        num_blocks = config.num_kv_blocks or ModelRunner.blocks_for_memory(
+            mcfg, config.block_size, config.kv_cache_memory_bytes)
+        self.block_manager = BlockManager(num_blocks, config.block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len),
+            self.block_manager)
+        self.runner = ModelRunner(loaded.model, mcfg, num_blocks, config.block_size)
+        self.eos_token_ids = frozenset(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+        self.sampler = Sampler(self.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._outputs: dict[str, _OutputState] = {}
+        self._counter = itertools.count()
+        self.clock = time.perf_counter
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler.config.max_model_len
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None, arrival: float | None = None) -> Request:
+        params = params or SamplingParams()
+        now = self.clock()
+        order = next(self._counter)
+        request_id = request_id or f"req-{order}"
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self._tokenize(prompt)
+        req = Request(request_id, ids, params, prompt=text, eos_token_ids=self.eos_token_ids,
+                      arrival_order=order)
+        req.timeline.arrival = arrival if arrival is not None else now
+        req.timeline.arrival_wall = time.time()
+        req.timeline.tokenized = self.clock()
+        self._validate(req)
+        req.generator = make_generator(params.seed)
+        self.scheduler.add_request(req)
+        req.timeline.queued = self.clock()
+        self.requests[request_id] = req
+        self._outputs[request_id] = _OutputState(self._detokenizer(params), StopChecker(
+            params.stop, params.include_stop_str_in_output))
+        return req
+
+    def _tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompt_token_ids")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def _validate(self, req: Request) -> None:
+        n = req.num_prompt_tokens
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
+        if n >= self.max_model_len:
+            raise ValueError(f"prompt of {n} tokens does not fit the model's context of "
+                             f"{self.max_model_len} tokens")
+
+    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
+        if self.tokenizer is None:
+            return None
+        return IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+
+    def abort_request(self, request_id: str) -> None:
+        req = self.requests.get(request_id)
+        if req is not None and not req.is_finished:
+            self.scheduler.finish(req, FinishReason.ABORT)
+            req.timeline.finished = self.clock()
+            self._release(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule(self.clock())
+        if out.is_empty:
+            return []
+        inputs = self.runner.prepare(out)
+        started = self.clock()
+        logits = self.runner.execute(inputs)
+        self._record_prompt_logits(inputs, logits)
+        sampled = self._sample(inputs, logits)
+        done = self.clock()
+        self._record_prefill(out, started, done)
+        finished = self.scheduler.update(out, {id(r): t for r, t in zip(inputs.sampling,
+                                                                         sampled.token_ids)})
+        return self._process_outputs(inputs, sampled.logprobs, finished, done)
+
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor):
+        rows = logits[inputs.sample_rows]
+        batch = [SamplingInput(r.params, r.prompt_token_ids, r.output_token_ids, r.generator)
+                 for r in inputs.sampling]
+        return self.sampler(rows, batch)
+
+    def _record_prompt_logits(self, inputs: StepInputs, logits: torch.Tensor) -> None:
+        for req, first, count in inputs.prompt_logit_spans:
+            req.prompt_logits.append(logits[first:first + count].clone())
+
+    def _record_prefill(self, out: SchedulerOutput, start: float, end: float) -> None:
+        for s in out.scheduled:
+            if s.num_new_tokens > 1 or s.start < s.request.num_prompt_tokens:
+                s.request.timeline.prefill_chunks.append((start, end, s.num_new_tokens))
+
+    def _process_outputs(self, inputs: StepInputs, logprobs: list, finished: list[Request],
+                         now: float) -> list[RequestOutput]:
+        results = []
+        for req, lp in zip(inputs.sampling, logprobs):
+            token = req.output_token_ids[-1]
+            tl = req.timeline
+            tl.token_times.append(now)
+            if tl.first_token is None:
+                tl.first_token = now
+            if lp is not None:
+                req.logprobs.append(lp)
+            delta = self._detokenize(req, token)
+            if req.status is RequestStatus.FINISHED:
+                tl.finished = now
+            text = self._outputs[req.request_id].text
+            results.append(RequestOutput(req.request_id, [token], delta, text, req.is_finished,
+                                         req, [lp] if lp is not None else []))
+            if req.is_finished:
+                self._release(req)
+        return results
+
+    def _detokenize(self, req: Request, token: int) -> str:
+        state = self._outputs[req.request_id]
+        if state.detokenizer is None:
+            return ""
+        text = state.detokenizer.step([token])
+        if req.is_finished:
+            text += state.detokenizer.flush()
+        result = state.stop.feed(text)
+        delta = result.emit
+        if result.stopped:
+            req.stop_reason = result.stop_str
+            if req.is_finished:
+                req.finish_reason = FinishReason.STOP
+            else:
+                self.scheduler.finish(req, FinishReason.STOP)
+        elif req.is_finished:
+            delta += state.stop.flush()
+        state.text += delta
+        return delta
+
+    def _release(self, req: Request) -> None:
+        self.requests.pop(req.request_id, None)
+        self._outputs.pop(req.request_id, None)
+
+    def kv_usage(self) -> float:
+        return self.block_manager.usage

@@ -1,0 +1,120 @@
+"""Runs one scheduled step on the model: flattened inputs, paged KV pool, logits where needed."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from lifeline.engine.request import Request
+from lifeline.engine.scheduler import ScheduledRequest, SchedulerOutput
+from lifeline.model.config import ModelConfig
+from lifeline.model.layers.attention import AttentionMetadata, PrefillSeq
+
+
+@dataclass(slots=True)
+class StepInputs:
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: AttentionMetadata
+    order: list[ScheduledRequest]
+    """Scheduled requests in flattened order: decodes first, then prefill chunks."""
+    logit_rows: torch.Tensor
+    """Rows of the hidden states whose logits are needed."""
+    sample_rows: list[int]
+    """Index into the logits of each sampling request (in `sampling`)."""
+    sampling: list[Request]
+    prompt_logit_spans: list[tuple[Request, int, int]]
+    """(request, first logits row, count) for requests that record their prompt logits."""
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
+                 kv_dtype: torch.dtype = torch.float32):
+        self.model = model
+        self.config = config
+        self.block_size = block_size
+        slots = num_blocks * block_size
+        shape = (slots, config.num_kv_heads, config.head_dim)
+        self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
+                          for _ in range(config.num_layers)]
+
+    @staticmethod
+    def blocks_for_memory(config: ModelConfig, block_size: int, memory_bytes: int,
+                          dtype_bytes: int = 4) -> int:
+        return max(1, memory_bytes // (config.kv_bytes_per_token(dtype_bytes) * block_size))
+
+    def slots(self, req: Request, start: int, end: int) -> torch.Tensor:
+        positions = torch.arange(start, end)
+        table = torch.tensor(req.block_ids, dtype=torch.long)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def prepare(self, out: SchedulerOutput) -> StepInputs:
+        order = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
+        ids: list[int] = []
+        positions, slot_parts, prefills = [], [], []
+        decode_reqs = [s for s in order if s.num_new_tokens == 1]
+        for s in order:
+            req, start, end = s.request, s.start, s.start + s.num_new_tokens
+            ids.extend(req.all_token_ids[start:end] if s.num_new_tokens > 1 else [req.token_at(start)])
+            positions.append(torch.arange(start, end))
+            if s.num_new_tokens == 1:
+                slot_parts.append(self.slots(req, start, end))
+            else:
+                ctx_slots = self.slots(req, 0, end)
+                slot_parts.append(ctx_slots[start:])
+                prefills.append(PrefillSeq(len(ids) - s.num_new_tokens, s.num_new_tokens, end,
+                                           ctx_slots))
+        meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts), num_decodes=len(decode_reqs),
+                                 prefills=prefills)
+        if decode_reqs:
+            self._decode_meta(meta, decode_reqs)
+        return self._logit_plan(order, torch.tensor(ids, dtype=torch.long),
+                                torch.cat(positions), meta)
+
+    def _decode_meta(self, meta: AttentionMetadata, decodes: list[ScheduledRequest]) -> None:
+        bs = self.block_size
+        lengths = torch.tensor([s.start + 1 for s in decodes])
+        max_blocks = -(-int(lengths.max()) // bs)
+        table = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+        for i, s in enumerate(decodes):
+            n = -(-(s.start + 1) // bs)
+            table[i, :n] = torch.tensor(s.request.block_ids[:n])
+        slots = (table.unsqueeze(-1) * bs + torch.arange(bs)).reshape(len(decodes), -1)
+        length = int(lengths.max())
+        meta.decode_slots = slots[:, :length]
+        meta.decode_valid = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
+        meta.decode_positions = lengths - 1
+
+    def _logit_plan(self, order: list[ScheduledRequest], input_ids: torch.Tensor,
+                    positions: torch.Tensor, meta: AttentionMetadata) -> StepInputs:
+        rows: list[int] = []
+        sample_rows: list[int] = []
+        sampling: list[Request] = []
+        spans: list[tuple[Request, int, int]] = []
+        offset = 0
+        for s in order:
+            req, n = s.request, s.num_new_tokens
+            if req.want_prompt_logits and s.start < req.num_prompt_tokens:
+                count = min(n, req.num_prompt_tokens - s.start)
+                spans.append((req, len(rows), count))
+                rows.extend(range(offset, offset + count))
+            if s.samples:
+                last = offset + n - 1
+                if rows and rows[-1] == last:
+                    sample_rows.append(len(rows) - 1)
+                else:
+                    sample_rows.append(len(rows))
+                    rows.append(last)
+                sampling.append(req)
+            offset += n
+        return StepInputs(input_ids, positions, meta, order, torch.tensor(rows, dtype=torch.long),
+                          sample_rows, sampling, spans)
+
+    @torch.inference_mode()
+    def execute(self, inputs: StepInputs) -> torch.Tensor:
+        """Logits `[len(logit_rows), vocab]` in float32."""
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        if inputs.logit_rows.numel() == 0:
+            return hidden.new_empty(0, self.config.vocab_size)
+        return self.model.compute_logits(hidden[inputs.logit_rows]).float()

@@ -1,0 +1,98 @@
+"""A request's state as the engine sees it: ids, progress, block table and timeline."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any
+
+from lifeline.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+@dataclass(slots=True)
+class Timeline:
+    """Monotonic timestamps (seconds, `time.perf_counter()`) of a request's life in the engine.
+
+    The engine fills what it sees; the server adds the stages before and after it.
+    `arrival_wall` is the only wall-clock reading, for logs."""
+
+    arrival: float = 0.0
+    arrival_wall: float = 0.0
+    tokenized: float | None = None
+    queued: float | None = None
+    first_scheduled: float | None = None
+    prefill_chunks: list[tuple[float, float, int]] = field(default_factory=list)
+    """(start, end, tokens) of every prefill chunk that ran."""
+    first_token: float | None = None
+    token_times: list[float] = field(default_factory=list)
+    """When each output token became available, in order."""
+    preemptions: list[float] = field(default_factory=list)
+    finished: float | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in self.__slots__}
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+    eos_token_ids: frozenset[int] = frozenset()
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at the first scheduling."""
+    block_ids: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
+    num_registered_blocks: int = 0
+    """Leading blocks already offered to the prefix cache."""
+    extra_hash_key: int = 0
+    """Mixed into the first block's hash (e.g. an image digest), so equal ids can differ."""
+    timeline: Timeline = field(default_factory=Timeline)
+    generator: Any = None
+    logprobs: list[Any] = field(default_factory=list)
+    want_prompt_logits: bool = False
+    prompt_logits: list[Any] = field(default_factory=list)
+    num_preemptions: int = 0
+    arrival_order: int = 0
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]

@@ -1,0 +1,173 @@
+"""Continuous batching as in vLLM V1: one token budget per step, running requests first.
+
+There is no prefill phase and no decode phase: each request has `num_computed_tokens`, and a step
+gives it as many of its remaining tokens as the budget allows (prefill chunks and decodes share a
+step). Pure Python, no torch and no clock: the caller passes `now`, so the planner can drive it
+with virtual time.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from lifeline.engine.block_manager import BlockManager
+from lifeline.engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    """Most requests running at once."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one step (prefill chunk tokens plus one per decode)."""
+    max_model_len: int = 32768
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    start: int
+    """Position of the first token this step computes."""
+    samples: bool
+    """Whether this step completes every known token, so the next token is sampled."""
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.kv = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add_request(self, req: Request) -> None:
+        need = self.kv.blocks_needed(req.num_prompt_tokens + 1)
+        if need > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt of {req.num_prompt_tokens} tokens needs {need} KV blocks; "
+                f"the cache has {self.kv.num_blocks}")
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, now: float) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget, now)
+        if not out.preempted:
+            self._schedule_waiting(out, budget, now)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, now: float) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.kv.allocate(req, num_new):
+                victim = self.running[-1]
+                self._preempt(victim, now)
+                out.preempted.append(victim)
+                if victim is req:
+                    return budget
+            out.scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            prefix = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            cached = len(prefix) * self.kv.block_size
+            num_new = min(req.num_tokens - cached, budget)
+            if not self.kv.allocate(req, num_new, prefix):
+                break
+            self.waiting.popleft()
+            req.num_computed_tokens = cached
+            if req.timeline.first_scheduled is None:
+                req.timeline.first_scheduled = now
+                req.num_cached_tokens = cached
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.scheduled.append(self._scheduled(req, num_new))
+            budget -= num_new
+
+    def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        return ScheduledRequest(req, num_new, start, start + num_new == req.num_tokens)
+
+    def _preempt(self, req: Request, now: float) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        req.timeline.preemptions.append(now)
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def update(self, out: SchedulerOutput, sampled: dict[int, int] | None = None) -> list[Request]:
+        """Advance computed counts, append sampled tokens (keyed by `id(request)`), finish
+        requests that hit EOS, a stop token or their length. Returns the finished ones."""
+        finished = []
+        for s in out.scheduled:
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            self.kv.cache_full_blocks(req)
+            if not s.samples or sampled is None:
+                continue
+            req.output_token_ids.append(sampled[id(req)])
+            reason = self.check_stop(req)
+            if reason is not None:
+                self.finish(req, reason)
+                finished.append(req)
+        return finished
+
+    def check_stop(self, req: Request) -> FinishReason | None:
+        params = req.params
+        token = req.output_token_ids[-1]
+        n = req.num_output_tokens
+        if n >= params.min_tokens:
+            if not params.ignore_eos and token in req.eos_token_ids:
+                req.stop_reason = None
+                return FinishReason.STOP
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return FinishReason.STOP
+        if params.max_tokens is not None and n >= params.max_tokens:
+            return FinishReason.LENGTH
+        if req.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def finish(self, req: Request, reason: FinishReason) -> None:
+        if req.status is RequestStatus.FINISHED:
+            return
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.FINISHED
+        req.finish_reason = reason

@@ -1,0 +1,86 @@
+"""Gemma 3 text model: hybrid sliding-window/global attention, QK-norm, sandwich norms, GeGLU."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from lifeline.model.config import ModelConfig
+from lifeline.model.layers.attention import AttentionMetadata, paged_attention
+from lifeline.model.layers.linear import GatedMLP, linear
+from lifeline.model.layers.norm import RMSNorm
+from lifeline.model.layers.rotary import RotaryEmbedding
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim)
+        self.k_proj = linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim)
+        self.v_proj = linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim)
+        self.o_proj = linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.rotary = rotary
+        self.window = cfg.sliding_window if cfg.layer_types[layer_idx] == "sliding" else None
+        self.scale = cfg.attn_scale
+        self.layer_idx = layer_idx
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],
+                meta: AttentionMetadata) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
+        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
+        return self.o_proj(o.reshape(n, -1))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, rotary: RotaryEmbedding):
+        super().__init__()
+        self.self_attn = Gemma3Attention(cfg, layer_idx, rotary)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, cfg.hidden_act)
+        eps = cfg.rms_norm_eps
+        self.input_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+        x = x + self.post_attention_layernorm(h)
+        h = self.mlp(self.pre_feedforward_layernorm(x))
+        return x + self.post_feedforward_layernorm(h)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    norm_weight_offset = 1.0
+    """HF checkpoints store Gemma norm weights as w for x*(1+w); we compute x*w like llama.cpp."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        local_theta = cfg.rope_local_theta or cfg.rope_theta
+        self.rotary_global = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta,
+                                             cfg.rope_scaling)
+        self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.max_position, local_theta)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
+        self.layers = nn.ModuleList(
+            Gemma3DecoderLayer(cfg, i, self.rotary_local if t == "sliding" else self.rotary_global)
+            for i, t in enumerate(cfg.layer_types))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
+        self.embed_scale = cfg.hidden_size ** 0.5
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                kv_caches: list[tuple[torch.Tensor, ...]], meta: AttentionMetadata) -> torch.Tensor:
+        x = self.embed_tokens(input_ids) * self.embed_scale
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, positions, kv, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)

@@ -1,0 +1,113 @@
+"""Attention over the paged KV cache, for a step that mixes prefill chunks and decodes.
+
+The cache is one preallocated pool per layer, `[num_blocks * block_size, kv_heads, head_dim]`
+for K and for V; a request reads its keys and values through its block table. The step's tokens
+are flattened: decode tokens first (one per request, attended in one batched call), then each
+prefill chunk (one call per request, never per token).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSeq:
+    start: int
+    """Offset of this chunk's first token in the step's flattened tokens."""
+    num_tokens: int
+    context_len: int
+    """Tokens in the cache once this chunk is written (cached prefix + chunk)."""
+    slots: torch.Tensor
+    """Cache slot of every context position, `[context_len]`."""
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    slot_mapping: torch.Tensor
+    """Cache slot each new token's K and V are written to, `[N]`."""
+    num_decodes: int
+    decode_slots: torch.Tensor | None = None
+    """`[D, L]` cache slots of each decode request's context, padded with slot 0."""
+    decode_positions: torch.Tensor | None = None
+    """`[D]` position of each decode token."""
+    decode_valid: torch.Tensor | None = None
+    """`[D, L]` True where the slot holds a real context position."""
+    prefills: list[PrefillSeq] = field(default_factory=list)
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
+    """Decode masks per sliding window (None = full), built once per step."""
+
+    def decode_mask(self, window: int | None) -> torch.Tensor:
+        mask = self.masks.get(window)
+        if mask is None:
+            mask = self.decode_valid
+            if window is not None:
+                length = self.decode_valid.shape[1]
+                pos_k = torch.arange(length).unsqueeze(0)
+                mask = mask & (pos_k > self.decode_positions.unsqueeze(1) - window)
+            mask = mask[:, None, None, :]
+            self.masks[window] = mask
+        return mask
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             slots: torch.Tensor) -> None:
+    k_cache.index_copy_(0, slots, k)
+    v_cache.index_copy_(0, slots, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, window: int | None) -> torch.Tensor:
+    """q: [N, H, D]; k, v: [N, KVH, D] for the step's new tokens. Returns [N, H, D]."""
+    write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
+    out = torch.empty_like(q)
+    d = meta.num_decodes
+    if d:
+        out[:d] = _decode(q[:d], k_cache, v_cache, meta, scale, window)
+    for p in meta.prefills:
+        rows = slice(p.start, p.start + p.num_tokens)
+        out[rows] = _prefill(q[rows], k[rows], v[rows], k_cache, v_cache, p, scale, window)
+    return out
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+            meta: AttentionMetadata, scale: float, window: int | None) -> torch.Tensor:
+    num_seqs, num_heads, head_dim = q.shape
+    kv_heads = k_cache.shape[1]
+    group = num_heads // kv_heads
+    keys = k_cache[meta.decode_slots].transpose(1, 2)
+    values = v_cache[meta.decode_slots].transpose(1, 2)
+    q = q.view(num_seqs, kv_heads, group, head_dim)
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.decode_mask(window),
+                                       scale=scale)
+    return o.reshape(num_seqs, num_heads, head_dim)
+
+
+def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+             v_cache: torch.Tensor, p: PrefillSeq, scale: float, window: int | None
+             ) -> torch.Tensor:
+    past = p.context_len - p.num_tokens
+    if past:
+        k = k_cache[p.slots]
+        v = v_cache[p.slots]
+    q_t, k_t, v_t = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    if past == 0 and (window is None or p.num_tokens <= window):
+        o = F.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True, scale=scale,
+                                           enable_gqa=True)
+    else:
+        mask = _chunk_mask(p.num_tokens, p.context_len, window)
+        o = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, scale=scale,
+                                           enable_gqa=True)
+    return o.transpose(0, 1)
+
+
+def _chunk_mask(num_q: int, num_k: int, window: int | None) -> torch.Tensor:
+    pos_q = torch.arange(num_k - num_q, num_k).unsqueeze(1)
+    pos_k = torch.arange(num_k).unsqueeze(0)
+    mask = pos_k <= pos_q
+    if window is not None:
+        mask &= pos_k > pos_q - window
+    return mask

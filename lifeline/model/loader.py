@@ -1,0 +1,182 @@
+"""Build a model from a GGUF file, a Hugging Face directory, or a config with dummy weights."""
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from lifeline.model.config import ModelConfig, config_from_gguf, config_from_hf
+from lifeline.model.gemma3 import Gemma3ForCausalLM
+from lifeline.model.llama import LlamaForCausalLM
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "gemma3": Gemma3ForCausalLM,
+    "llama": LlamaForCausalLM,
+}
+
+_GGUF_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "attn_norm": "input_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_GGUF_GLOBAL_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: nn.Module
+    config: ModelConfig
+    tokenizer: object | None
+    source: str
+    weight_format: str
+
+
+def build_model(cfg: ModelConfig) -> nn.Module:
+    return MODEL_CLASSES[cfg.family](cfg)
+
+
+def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
+                 norm_offset: float = 0.0) -> None:
+    """Assign tensors by name; every parameter must be given exactly once (tied heads aside)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for name, tensor in weights:
+        if name not in params:
+            raise KeyError(f"checkpoint tensor {name!r} has no place in {type(model).__name__}")
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != "
+                             f"model shape {tuple(params[name].shape)}")
+        if norm_offset and name.endswith("norm.weight"):
+            tensor = tensor + norm_offset
+        _set_param(model, name, tensor)
+    cfg: ModelConfig = model.config
+    if cfg.tie_word_embeddings or model.lm_head.weight.is_meta:
+        model.lm_head.weight = model.embed_tokens.weight
+    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = model.get_submodule(owner_name) if owner_name else model
+    setattr(owner, attr, nn.Parameter(tensor.contiguous(), requires_grad=False))
+
+
+def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights of the right shapes, for performance work."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, param in list(model.named_parameters()):
+        if not param.is_meta:
+            continue
+        if name.endswith("norm.weight"):
+            tensor = torch.ones(param.shape)
+        else:
+            tensor = torch.randn(param.shape, generator=gen) * 0.02
+        _set_param(model, name, tensor)
+    if model.config.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+
+
+def gguf_tensor_name(gguf_name: str) -> str:
+    if gguf_name in _GGUF_GLOBAL_NAMES:
+        return _GGUF_GLOBAL_NAMES[gguf_name]
+    m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.(weight|bias)", gguf_name)
+    if not m or m.group(2) not in _GGUF_LAYER_NAMES and m.group(2) != "ffn_norm":
+        raise KeyError(f"unknown GGUF tensor {gguf_name!r}")
+    layer, kind, suffix = m.groups()
+    return f"layers.{layer}.{_GGUF_LAYER_NAMES.get(kind, kind)}.{suffix}"
+
+
+def _gguf_weights(gf, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    ffn_norm = "pre_feedforward_layernorm" if cfg.family == "gemma3" else "post_attention_layernorm"
+    for gguf_name in gf.tensor_names:
+        if gguf_name.startswith("rope_freqs"):
+            continue
+        name = gguf_tensor_name(gguf_name).replace("ffn_norm", ffn_norm)
+        tensor = gf.load(gguf_name)
+        if cfg.architecture == "llama" and re.search(r"attn_[qk]\.weight", gguf_name):
+            heads = cfg.num_heads if "attn_q" in gguf_name else cfg.num_kv_heads
+            tensor = _unpermute_rope(tensor, heads)
+        yield name, tensor
+
+
+def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """llama.cpp's converter interleaves Llama q/k rows for its RoPE; undo it for NEOX layout."""
+    rows = w.shape[0]
+    return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(
+        w.shape)
+
+
+def load_gguf(path: str | Path, dummy: bool = False) -> LoadedModel:
+    from lifeline.model.gguf_file import GGUFFile
+    from lifeline.tokenizer import GGUFTokenizer
+
+    gf = GGUFFile(path)
+    meta = dict(gf.metadata)
+    meta["_has_output_tensor"] = "output.weight" in gf
+    meta["_vocab_size"] = gf.tensor_shape("token_embd.weight")[0]
+    cfg = config_from_gguf(meta)
+    model = build_model(cfg)
+    if dummy:
+        init_dummy_weights(model)
+    else:
+        load_weights(model, _gguf_weights(gf, cfg))
+    tokenizer = GGUFTokenizer.from_gguf_reader(gf.reader)
+    types = sorted({gf.tensor_type(n).name for n in gf.tensor_names})
+    return LoadedModel(model.eval(), cfg, tokenizer, str(path), "gguf:" + "+".join(types))
+
+
+def _hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {path}")
+    for file in files:
+        for name, tensor in load_file(file).items():
+            name = re.sub(r"^model\.(language_model\.)?", "", name)
+            yield name, tensor.float()
+
+
+def load_hf(path: str | Path, dummy: bool = False) -> LoadedModel:
+    from lifeline.tokenizer import HFTokenizer
+
+    path = Path(path)
+    cfg = config_from_hf(path)
+    model = build_model(cfg)
+    if dummy:
+        init_dummy_weights(model)
+    else:
+        load_weights(model, _hf_weights(path), getattr(model, "norm_weight_offset", 0.0))
+    tokenizer = HFTokenizer(path) if (path / "tokenizer.json").exists() else None
+    return LoadedModel(model.eval(), cfg, tokenizer, str(path), "safetensors")
+
+
+def load_model(path: str | Path | None = None, dummy: bool = False) -> LoadedModel:
+    if path is None:
+        from lifeline.model.default import default_model_path
+
+        path = default_model_path()
+    path = Path(path)
+    if path.is_dir():
+        return load_hf(path, dummy)
+    if path.suffix == ".gguf" or path.is_file():
+        return load_gguf(path, dummy)
+    raise FileNotFoundError(f"no model at {path}: expected a .gguf file or a Hugging Face directory")
