@@ -10,7 +10,7 @@ from lifeline.engine.engine import EngineConfig, LLMEngine
 from lifeline.engine.request import Timeline
 from lifeline.engine.sampler import TokenLogprobs
 from lifeline.engine.sampling_params import SamplingParams
-from lifeline.model.loader import load_model
+from lifeline.model.loader import LoadedModel, load_model
 
 PromptType = str | dict[str, Any]
 
@@ -33,9 +33,12 @@ class GenerationResult:
 class LLM:
     """`LLM()` serves the default model (Gemma 3 270M); `LLM(path)` a GGUF file or HF directory."""
 
-    def __init__(self, model: str | Path | None = None, *, dummy_weights: bool = False,
-                 **engine_kwargs: Any):
-        self.loaded = load_model(model, dummy=dummy_weights)
+    def __init__(self, model: str | Path | LoadedModel | None = None, *,
+                 dummy_weights: bool = False, **engine_kwargs: Any):
+        if isinstance(model, LoadedModel):
+            self.loaded = model
+        else:
+            self.loaded = load_model(model, dummy=dummy_weights)
         self.engine = LLMEngine(self.loaded, EngineConfig(**engine_kwargs))
         self.tokenizer = self.loaded.tokenizer
 
@@ -51,6 +54,10 @@ class LLM:
                                  list(r.output_token_ids), r.finish_reason.value if r.finish_reason
                                  else None, r.stop_reason, r.timeline, r.num_cached_tokens,
                                  r.num_preemptions, list(r.logprobs)) for r in reqs]
+
+    def prompt_logits(self, token_ids: list[int]):
+        """Logits at every position of `token_ids` (a float32 tensor `[T, vocab]`)."""
+        return self.engine.prompt_logits(token_ids)
 
     def _run(self, total: int, show: bool) -> dict[str, str]:
         texts: dict[str, str] = {}

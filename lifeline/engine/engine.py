@@ -136,6 +136,15 @@ class LLMEngine:
             return None
         return IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
 
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits `[T, vocab]` at every prompt position, computed through the normal step path
+        (scheduler, chunked prefill, paged KV), bypassing the prefix cache."""
+        req = self.add_request(token_ids, SamplingParams(max_tokens=1, temperature=0))
+        req.want_prompt_logits = True
+        while not req.is_finished:
+            self.step()
+        return torch.cat(req.prompt_logits)
+
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)
         if req is not None and not req.is_finished:

@@ -98,7 +98,8 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            prefix = self.kv.find_cached_prefix(req) if req.num_computed_tokens == 0 else []
+            fresh = req.num_computed_tokens == 0 and not req.want_prompt_logits
+            prefix = self.kv.find_cached_prefix(req) if fresh else []
             cached = len(prefix) * self.kv.block_size
             num_new = min(req.num_tokens - cached, budget)
             if not self.kv.allocate(req, num_new, prefix):
