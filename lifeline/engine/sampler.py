@@ -2,12 +2,15 @@
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
 from lifeline.engine.sampling_params import SamplingParams
+
+TOP_P_CANDIDATES = 1024
 
 
 @dataclass(slots=True)
@@ -67,19 +70,13 @@ class Sampler:
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(inputs))
         processed = self._process(logits, inputs)
         random_rows = [i for i, x in enumerate(inputs) if not x.params.greedy]
-        if len(random_rows) < len(inputs):
-            tokens = processed.argmax(dim=-1)
+        if len(random_rows) == len(inputs):
+            tokens = sample(processed, inputs)
         else:
-            tokens = torch.empty(len(inputs), dtype=torch.long, device=logits.device)
-        if random_rows:
-            chosen = [inputs[i] for i in random_rows]
-            if len(random_rows) < len(inputs):
+            tokens = processed.argmax(dim=-1)
+            if random_rows:
                 index = torch.tensor(random_rows, device=logits.device)
-                rows = processed[index]
-            else:
-                index, rows = slice(None), processed if processed is not logits else logits.clone()
-            probs = filter_logits(rows, [x.params for x in chosen]).softmax(dim=-1)
-            tokens[index] = draw(probs, [x.generator for x in chosen])
+                tokens[index] = sample(processed[index], [inputs[i] for i in random_rows])
         token_ids = tokens.tolist()
         return SamplerOutput(token_ids, gather_logprobs(logits, token_ids, inputs))
 
@@ -122,7 +119,7 @@ def apply_logit_bias(logits: torch.Tensor, inputs: Sequence[SamplingInput]) -> N
     ]
     if not entries:
         return
-    rows, tokens, biases = zip(*entries)
+    rows, tokens, biases = zip(*entries, strict=True)
     index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
     values = torch.tensor(biases, dtype=logits.dtype, device=logits.device)
     logits.index_put_(index, values, accumulate=True)
@@ -142,7 +139,7 @@ def apply_min_tokens(
     ]
     if not entries:
         return
-    rows, tokens = zip(*entries)
+    rows, tokens = zip(*entries, strict=True)
     index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
     logits.index_put_(index, torch.tensor(-math.inf, device=logits.device))
 
@@ -154,46 +151,54 @@ def stop_ids(params: SamplingParams, eos_token_ids: Sequence[int]) -> set[int]:
 
 def apply_penalties(logits: torch.Tensor, inputs: Sequence[SamplingInput]) -> None:
     """Repetition penalty as in HF/vLLM over prompt and output ids (positive logits divided,
-    negative multiplied); presence and frequency penalties as in OpenAI over output ids."""
-    rows = [i for i, x in enumerate(inputs) if has_penalties(x.params)]
-    if not rows:
-        return
-    device, vocab = logits.device, logits.size(1)
-    index = torch.tensor(rows, device=device)
-    chosen = [inputs[i] for i in rows]
-    output_counts = token_counts([x.output_token_ids for x in chosen], vocab, device)
-    in_prompt = token_counts([x.prompt_token_ids for x in chosen], vocab, device) > 0
-    in_output = output_counts > 0
-
-    def column(name: str) -> torch.Tensor:
-        values = [getattr(x.params, name) for x in chosen]
-        return torch.tensor(values, dtype=logits.dtype, device=device).unsqueeze(1)
-
-    sub = logits[index]
-    repetition = column("repetition_penalty")
-    penalized = torch.where(sub > 0, sub / repetition, sub * repetition)
-    sub = torch.where(in_prompt | in_output, penalized, sub)
-    sub -= column("frequency_penalty") * output_counts
-    sub -= column("presence_penalty") * in_output
-    logits[index] = sub
+    negative multiplied), then presence and frequency penalties as in OpenAI over output ids.
+    Only the logits of seen ids are touched, so the cost follows sequence length, not vocab;
+    a repeated id reads and writes the same value again, so no deduplication is needed."""
+    repeated = [i for i, x in enumerate(inputs) if x.params.repetition_penalty != 1.0]
+    seen = [(inputs[i].prompt_token_ids, inputs[i].output_token_ids) for i in repeated]
+    index = flat_index(repeated, seen, logits.device)
+    if index is not None:
+        penalty = per_row(inputs, "repetition_penalty", logits)[index[0]]
+        values = logits[index]
+        logits[index] = torch.where(values > 0, values / penalty, values * penalty)
+    counted = [
+        i for i, x in enumerate(inputs) if x.params.presence_penalty or x.params.frequency_penalty
+    ]
+    index = flat_index(counted, [(inputs[i].output_token_ids,) for i in counted], logits.device)
+    if index is not None:
+        frequency = per_row(inputs, "frequency_penalty", logits)[index[0]]
+        logits.index_put_(index, frequency.neg_(), accumulate=True)
+        logits[index] = logits[index] - per_row(inputs, "presence_penalty", logits)[index[0]]
 
 
-def token_counts(id_lists: Sequence[Sequence[int]], vocab: int, device: torch.device) -> torch.Tensor:
-    """[len(id_lists), vocab] float32 occurrence counts; padding goes to a dropped extra column."""
-    width = max((len(ids) for ids in id_lists), default=0)
-    padded = [list(ids) + [vocab] * (width - len(ids)) for ids in id_lists]
-    ids = torch.tensor(padded, dtype=torch.long, device=device).clamp_(0, vocab)
-    counts = torch.zeros(len(id_lists), vocab + 1, device=device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=counts.dtype))
-    return counts[:, :vocab]
+def flat_index(
+    rows: Sequence[int], parts: Sequence[tuple[Sequence[int], ...]], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(row, id) index tensors over every id in every row's parts; None when there are none."""
+    ids, lengths = array("q"), []
+    for row_parts in parts:
+        lengths.append(sum(len(part) for part in row_parts))
+        for part in row_parts:
+            if isinstance(part, list):
+                ids.fromlist(part)
+            else:
+                ids.extend(part)
+    if not ids:
+        return None
+    row_index = torch.tensor(rows).repeat_interleave(torch.tensor(lengths))
+    return row_index.to(device), torch.frombuffer(ids, dtype=torch.int64).to(device)
+
+
+def per_row(inputs: Sequence[SamplingInput], name: str, like: torch.Tensor) -> torch.Tensor:
+    values = [getattr(x.params, name) for x in inputs]
+    return torch.tensor(values, dtype=like.dtype, device=like.device)
 
 
 def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p (vLLM/HF semantics) in place; removed tokens
-    become -inf. Rows that do not use a filter pay neither a sort nor a mask for it."""
-    device = logits.device
-    temperatures = torch.tensor([p.temperature for p in params], device=device)
-    logits.div_(temperatures.unsqueeze(1))
+    """Temperature, then top-k, top-p and min-p (vLLM/HF semantics) into a new tensor; removed
+    tokens become -inf. Rows that do not use a filter pay neither a sort nor a mask for it."""
+    temperatures = torch.tensor([p.temperature for p in params], device=logits.device)
+    logits = logits / temperatures.unsqueeze(1)
     vocab = logits.size(1)
     top_k_rows = [i for i, p in enumerate(params) if 0 < p.top_k < vocab]
     if top_k_rows:
@@ -209,58 +214,91 @@ def filter_logits(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
 
 def apply_top_k(logits: torch.Tensor, rows: list[int], ks: list[int]) -> None:
     """Keeps the tokens whose logit is at least the k-th largest (ties survive, as in HF)."""
-    index = torch.tensor(rows, device=logits.device)
-    sub = logits[index]
+    sub, index = select_rows(logits, rows)
     top = sub.topk(max(ks), dim=-1).values
     kth = top.gather(1, torch.tensor(ks, device=logits.device).unsqueeze(1) - 1)
-    logits[index] = sub.masked_fill_(sub < kth, -math.inf)
+    put_rows(logits, index, sub.masked_fill_(sub < kth, -math.inf))
 
 
 def apply_top_p(logits: torch.Tensor, rows: list[int], ps: list[float]) -> None:
-    """Keeps the smallest most-likely set whose probability reaches p (at least one token)."""
-    index = torch.tensor(rows, device=logits.device)
-    sub = logits[index]
-    ascending, order = sub.sort(dim=-1)
-    cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
-    threshold = 1 - torch.tensor(ps, device=logits.device).unsqueeze(1)
-    remove = cumulative <= threshold
-    remove[:, -1] = False
-    logits[index] = sub.scatter_(1, order, ascending.masked_fill_(remove, -math.inf))
+    """Keeps the most likely tokens until their mass reaches p (at least one; HF semantics).
+    The cut is looked for among the top TOP_P_CANDIDATES logits, and only rows whose cut lies
+    further down pay for sorting the whole vocabulary."""
+    sub, index = select_rows(logits, rows)
+    p = torch.tensor(ps, device=logits.device).unsqueeze(1)
+    log_total = sub.logsumexp(dim=-1, keepdim=True)
+    candidates = sub.topk(min(TOP_P_CANDIDATES, sub.size(1)), dim=-1).values
+    threshold, covered = top_p_cut(candidates, log_total, p)
+    if candidates.size(1) < sub.size(1) and not bool(covered.all()):
+        rest = (~covered).nonzero().squeeze(1)
+        descending = sub[rest].sort(dim=-1, descending=True).values
+        threshold[rest] = top_p_cut(descending, log_total[rest], p[rest])[0]
+    put_rows(logits, index, sub.masked_fill_(sub < threshold, -math.inf))
+
+
+def top_p_cut(
+    descending: torch.Tensor, log_total: torch.Tensor, p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The smallest surviving logit per row, and whether these leading logits held the cut:
+    a token survives while the mass of the tokens ahead of it is below p."""
+    probs = (descending - log_total).exp()
+    cumulative = probs.cumsum(dim=-1)
+    kept = ((cumulative - probs) < p).sum(dim=-1, keepdim=True).clamp_min_(1)
+    return descending.gather(1, kept - 1), cumulative[:, -1] >= p.squeeze(1)
 
 
 def apply_min_p(logits: torch.Tensor, rows: list[int], min_ps: list[float]) -> None:
     """Drops tokens less likely than min_p times the most likely one, compared in log space."""
-    index = torch.tensor(rows, device=logits.device)
-    sub = logits[index]
+    sub, index = select_rows(logits, rows)
     log_min_p = torch.tensor(min_ps, device=logits.device).log().unsqueeze(1)
     threshold = sub.amax(dim=-1, keepdim=True) + log_min_p
-    logits[index] = sub.masked_fill_(sub < threshold, -math.inf)
+    put_rows(logits, index, sub.masked_fill_(sub < threshold, -math.inf))
+
+
+def select_rows(logits: torch.Tensor, rows: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The rows to work on: `logits` itself when that is all of them, else a copy and its index."""
+    if len(rows) == logits.size(0):
+        return logits, None
+    index = torch.tensor(rows, device=logits.device)
+    return logits[index], index
+
+
+def put_rows(logits: torch.Tensor, index: torch.Tensor | None, rows: torch.Tensor) -> None:
+    if index is None:
+        if rows is not logits:
+            logits.copy_(rows)
+    else:
+        logits[index] = rows
+
+
+def sample(logits: torch.Tensor, inputs: Sequence[SamplingInput]) -> torch.Tensor:
+    probs = filter_logits(logits, [x.params for x in inputs]).softmax(dim=-1)
+    return draw(probs, [x.generator for x in inputs])
 
 
 def draw(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
-    """Exponential race: argmax(p / q), q ~ Exp(1), picks token i with probability p_i.
-    Seeded rows get q from their own generator; the rest share the global one."""
+    """Exponential race: argmax(p / q), q ~ Exp(1), picks token i with probability p_i. With
+    q = -log U this is argmin(p / log U), several times cheaper on CPU than exponential_().
+    Seeded rows get U from their own generator (drawn where it lives, then copied, if that is not
+    the logits' device); the rest share the global one. U is kept off 0 so that every token with
+    p > 0 beats those with p = 0."""
+    noise = torch.empty_like(probs)
     shared = [row for row, g in enumerate(generators) if g is None]
     if len(shared) == len(generators):
-        noise = exponential(probs.shape, probs.device, None)
-    else:
-        noise = torch.empty_like(probs)
-        if shared:
-            index = torch.tensor(shared, device=probs.device)
-            noise[index] = exponential((len(shared), probs.size(1)), probs.device, None)
-        for row, generator in enumerate(generators):
-            if generator is not None:
-                noise[row] = exponential((probs.size(1),), probs.device, generator)
-    return probs.div_(noise).argmax(dim=-1)
-
-
-def exponential(
-    shape: Sequence[int], device: torch.device, generator: torch.Generator | None
-) -> torch.Tensor:
-    """Exp(1) noise as -log(U): several times faster than exponential_() on CPU. U is kept off 0
-    so that q stays finite and a token with p > 0 always beats one with p = 0."""
-    uniform = torch.rand(shape, device=device, generator=generator)
-    return uniform.clamp_min_(torch.finfo(uniform.dtype).tiny).log_().neg_()
+        noise.uniform_()
+    elif shared:
+        noise[torch.tensor(shared, device=probs.device)] = torch.rand(
+            len(shared), probs.size(1), device=probs.device
+        )
+    for row, generator in enumerate(generators):
+        if generator is None:
+            continue
+        if generator.device == noise.device:
+            noise[row].uniform_(generator=generator)
+        else:
+            noise[row] = torch.rand(noise.size(1), generator=generator, device=generator.device)
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny).log_()
+    return probs.div_(noise).argmin(dim=-1)
 
 
 def gather_logprobs(
@@ -272,7 +310,7 @@ def gather_logprobs(
     if not rows:
         return result
     device = raw_logits.device
-    logprobs = raw_logits[torch.tensor(rows, device=device)].float().log_softmax(dim=-1)
+    logprobs = select_rows(raw_logits, rows)[0].float().log_softmax(dim=-1)
     chosen_ids = torch.tensor([token_ids[i] for i in rows], device=device).unsqueeze(1)
     chosen = logprobs.gather(1, chosen_ids).squeeze(1).tolist()
     widest = max(inputs[i].params.logprobs for i in rows)
@@ -280,6 +318,6 @@ def gather_logprobs(
     top_ids, top_values = top.indices.tolist(), top.values.tolist()
     for j, row in enumerate(rows):
         n = inputs[row].params.logprobs
-        pairs = list(zip(top_ids[j][:n], top_values[j][:n]))
+        pairs = list(zip(top_ids[j][:n], top_values[j][:n], strict=True))
         result[row] = TokenLogprobs(token_ids[row], chosen[j], pairs)
     return result

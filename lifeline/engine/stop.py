@@ -1,4 +1,4 @@
-"""Stop strings over streamed text: never leak a stop string, not even a part that completes later."""
+"""Stop strings over streamed text: never leak one, not even a part that completes later."""
 from __future__ import annotations
 
 from collections.abc import Sequence
