@@ -1,0 +1,174 @@
+"""The tokenizer a GGUF file carries: llama.cpp's SentencePiece-BPE over `tokenizer.ggml.*`."""
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from lifeline.tokenizer.base import Tokenizer
+from lifeline.tokenizer.specials import SpecialSplitter
+from lifeline.tokenizer.spm import spm_merge
+
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+END_OF_TURN_TEXTS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|endoftext|>", "<|eom_id|>")
+SPACE = "\u2581"
+
+
+@dataclass(slots=True)
+class GGUFVocab:
+    """What a GGUF file says about its tokenizer (defaults as llama.cpp's for an SPM vocabulary)."""
+
+    tokens: list[str]
+    scores: list[float]
+    token_types: list[int]
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    unk_token_id: int | None = None
+    pad_token_id: int | None = None
+    add_bos: bool = True
+    add_eos: bool = False
+    add_space_prefix: bool = True
+
+    def __post_init__(self):
+        n = len(self.tokens)
+        if not self.scores:
+            self.scores = [0.0] * n
+        if not self.token_types:
+            self.token_types = [NORMAL] * n
+        if len(self.scores) != n or len(self.token_types) != n:
+            raise ValueError(f"{n} tokens but {len(self.scores)} scores, "
+                             f"{len(self.token_types)} token types")
+        for name in ("bos_token_id", "eos_token_id", "unk_token_id", "pad_token_id"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value < n:
+                setattr(self, name, None)
+        if self.add_bos and self.bos_token_id is None:
+            raise ValueError("add_bos_token is set but the vocabulary has no BOS token")
+
+    @classmethod
+    def from_reader(cls, reader: Any) -> GGUFVocab:
+        """From a `gguf.GGUFReader` that is already open."""
+        def get(key: str, default: Any = None) -> Any:
+            field = reader.fields.get(f"tokenizer.ggml.{key}")
+            return default if field is None else field.contents()
+
+        model = get("model", "llama")
+        if model != "llama":
+            raise NotImplementedError(f"GGUF tokenizer model {model!r}: only 'llama' (SPM)")
+        return cls(
+            tokens=get("tokens"), scores=get("scores", []), token_types=get("token_type", []),
+            bos_token_id=get("bos_token_id"), eos_token_id=get("eos_token_id"),
+            unk_token_id=get("unknown_token_id"), pad_token_id=get("padding_token_id"),
+            add_bos=bool(get("add_bos_token", True)), add_eos=bool(get("add_eos_token", False)),
+            add_space_prefix=bool(get("add_space_prefix", True)),
+        )
+
+
+class GGUFTokenizer(Tokenizer):
+    """Ids as llama.cpp gives them for `llama_tokenize(text, add_special, parse_special=True)`."""
+
+    def __init__(self, vocab: GGUFVocab):
+        self.vocab = vocab
+        self.bos_token_id = vocab.bos_token_id
+        self.eos_token_id = vocab.eos_token_id
+        self.pad_token_id = vocab.pad_token_id
+        self.add_bos = vocab.add_bos
+        self.vocab_size = len(vocab.tokens)
+        self._ids = {text: i for i, text in enumerate(vocab.tokens)}
+        self._neg_scores = [-s for s in vocab.scores]
+        pairs = zip(vocab.tokens, vocab.token_types, strict=True)
+        self._bytes = [_token_bytes(text, kind) for text, kind in pairs]
+        self._byte_ids = [self._byte_id(b) for b in range(256)]
+        types = vocab.token_types
+        self.special_token_ids = frozenset(i for i, k in enumerate(types)
+                                           if k in (UNKNOWN, CONTROL))
+        self.eos_token_ids = frozenset(self._end_of_turn_ids())
+        specials = [(vocab.tokens[i], i) for i, k in enumerate(types)
+                    if k in (UNKNOWN, CONTROL, USER_DEFINED)]
+        self._split_all = SpecialSplitter(specials)
+        self._split_user = SpecialSplitter((t, i) for t, i in specials if types[i] == USER_DEFINED)
+
+    @classmethod
+    def from_gguf_reader(cls, reader: Any) -> GGUFTokenizer:
+        return cls(GGUFVocab.from_reader(reader))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike[str]) -> GGUFTokenizer:
+        from gguf import GGUFReader
+
+        return cls.from_gguf_reader(GGUFReader(os.fspath(path)))
+
+    def _byte_id(self, byte: int) -> int | None:
+        token_id = self._ids.get(f"<0x{byte:02X}>")
+        if token_id is None:
+            token_id = self._ids.get(chr(byte), self.vocab.unk_token_id)
+        return token_id
+
+    def _end_of_turn_ids(self) -> list[int]:
+        ids = [self._ids[t] for t in END_OF_TURN_TEXTS if t in self._ids]
+        return ids if self.eos_token_id is None else [self.eos_token_id, *ids]
+
+    def encode(self, text: str, add_special_tokens: bool = True,
+               parse_special: bool = True) -> list[int]:
+        """With `parse_special=False`, control tokens written in the text are tokenized as text;
+        user-defined ones (e.g. '\\n', runs of spaces) are matched whole either way."""
+        ids = [self.bos_token_id] if add_special_tokens and self.add_bos else []
+        splitter = self._split_all if parse_special else self._split_user
+        prev_special = True
+        for piece in splitter.split(text):
+            if isinstance(piece, int):
+                ids.append(piece)
+                prev_special = True
+                continue
+            if self.vocab.add_space_prefix and prev_special:
+                piece = " " + piece
+            ids += self._encode_raw(piece.replace(" ", SPACE))
+            prev_special = False
+        if add_special_tokens and self.vocab.add_eos and self.eos_token_id is not None:
+            ids.append(self.eos_token_id)
+        return ids
+
+    def _encode_raw(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for sym in spm_merge(text, self._ids, self._neg_scores):
+            token_id = self._ids.get(sym)
+            if token_id is not None:
+                ids.append(token_id)
+            else:
+                ids += [self._byte_ids[b] for b in sym.encode()]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.decode_bytes(ids, skip_special_tokens).decode("utf-8", errors="replace")
+
+    def decode_bytes(self, ids: Sequence[int], skip_special_tokens: bool = False) -> bytes:
+        """llama.cpp's detokenize: with `skip_special_tokens`, a leading BOS and every control
+        token are dropped; with `add_space_prefix` the first token loses its leading space."""
+        ids = list(ids)
+        if skip_special_tokens and ids and ids[0] == self.bos_token_id:
+            ids = ids[1:]
+        skip = self.special_token_ids if skip_special_tokens else frozenset()
+        pieces = [b"" if i in skip else self._bytes[i] for i in ids]
+        if self.vocab.add_space_prefix and pieces and pieces[0][:1] == b" ":
+            pieces[0] = pieces[0][1:]
+        return b"".join(pieces)
+
+    def token_to_piece(self, token_id: int) -> str:
+        return self.vocab.tokens[token_id]
+
+    def token_to_bytes(self, token_id: int) -> bytes:
+        return self._bytes[token_id]
+
+    def token_type(self, token_id: int) -> int:
+        return self.vocab.token_types[token_id]
+
+
+def _token_bytes(text: str, token_type: int) -> bytes:
+    if token_type == NORMAL:
+        return text.replace(SPACE, " ").encode()
+    if token_type == BYTE:
+        return bytes([int(text[3:5], 16)])
+    if token_type in (UNKNOWN, CONTROL, USER_DEFINED):
+        return text.encode()
+    return b""  # unused and undefined tokens print nothing in llama.cpp
