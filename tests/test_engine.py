@@ -51,12 +51,12 @@ def test_sixteen_concurrent_equal_one_at_a_time_without_prefix_cache(loaded, pro
 
 
 def test_sixteen_concurrent_with_prefix_cache_share_blocks(loaded, prompts, alone):
-    llm = LLM(loaded, enable_prefix_caching=True, block_size=16)
+    llm = LLM(loaded, enable_prefix_caching=True, block_size=8)
     llm.generate(prompts[0], GREEDY)
     engine = llm.engine
     reqs = [engine.add_request(p, GREEDY) for p in prompts]
     engine.step()
-    shared = len(llm.tokenizer.encode(SYSTEM)) // 16
+    shared = len(llm.tokenizer.encode(SYSTEM)) // 8
     assert shared >= 2
     tables = [r.block_ids[:shared] for r in reqs[:len(QUESTIONS)]]
     assert all(t == tables[0] for t in tables)
@@ -64,7 +64,7 @@ def test_sixteen_concurrent_with_prefix_cache_share_blocks(loaded, prompts, alon
         engine.step()
     assert [r.output_token_ids for r in reqs] == alone
     hits = [r.num_cached_tokens for r in reqs[:len(QUESTIONS)]]
-    assert all(h >= shared * 16 for h in hits)
+    assert all(h >= shared * 8 for h in hits)
     assert engine.block_manager.stats.hits > 0
     for r in reqs:
         prefilled = sum(n for _, _, n in r.timeline.prefill_chunks)
@@ -72,12 +72,12 @@ def test_sixteen_concurrent_with_prefix_cache_share_blocks(loaded, prompts, alon
 
 
 def test_sixteen_concurrent_with_preemption(loaded, prompts, alone):
-    llm = LLM(loaded, enable_prefix_caching=False, block_size=16, num_kv_blocks=20)
+    llm = LLM(loaded, enable_prefix_caching=False, block_size=4, num_kv_blocks=40)
     results = llm.generate(prompts, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     assert any(r.num_preemptions for r in results)
     assert [r.token_ids for r in results] == alone
-    assert llm.engine.block_manager.num_free_blocks == 20
+    assert llm.engine.block_manager.num_free_blocks == 40
 
 
 def test_seeded_sampling_reproduces_across_batch_compositions(loaded):
@@ -144,10 +144,16 @@ def test_logprobs_agree_with_a_prefill_of_the_same_tokens(loaded):
 def test_eos_and_end_of_turn_finish_a_chat_turn(loaded):
     llm = LLM(loaded)
     chat = "<start_of_turn>user\nSay hello.<end_of_turn>\n<start_of_turn>model\n"
-    res = llm.generate(chat, SamplingParams(max_tokens=200, temperature=0))[0]
-    assert res.finish_reason == "stop"
-    assert res.token_ids[-1] in (1, 106)
-    assert "<end_of_turn>" not in res.text
+    for eos in (1, 106):
+        steer = SamplingParams(max_tokens=50, temperature=0, logit_bias={eos: 100.0},
+                               min_tokens=2)
+        res = llm.generate(chat, steer)[0]
+        assert res.finish_reason == "stop" and res.stop_reason is None
+        assert len(res.token_ids) == 3 and res.token_ids[-1] == eos
+        assert "<end_of_turn>" not in res.text
+    ignored = llm.generate(chat, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True,
+                                                logit_bias={106: 100.0}))[0]
+    assert ignored.finish_reason == "length" and ignored.token_ids == [106] * 4
 
 
 def test_bad_requests_are_refused_clearly(loaded):
