@@ -48,7 +48,14 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
-        reqs = [self.engine.add_request(_prompt_input(p), sp) for p, sp in zip(prompts, params)]
+        reqs = []
+        try:
+            for p, sp in zip(prompts, params):
+                reqs.append(self.engine.add_request(_prompt_input(p), sp))
+        except Exception:
+            for r in reqs:
+                self.engine.abort_request(r.request_id)
+            raise
         texts = self._run(len(reqs), use_progress if use_progress is not None else len(reqs) > 1)
         return [GenerationResult(r.request_id, r.prompt, r.prompt_token_ids, texts[r.request_id],
                                  list(r.output_token_ids), r.finish_reason.value if r.finish_reason

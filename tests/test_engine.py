@@ -164,4 +164,8 @@ def test_bad_requests_are_refused_clearly(loaded):
         llm.generate({"prompt_token_ids": [2] * 100})
     with pytest.raises(ValueError, match="empty"):
         llm.generate({"prompt_token_ids": []})
+    with pytest.raises(ValueError, match="logit_bias"):
+        llm.generate("Hi", SamplingParams(logit_bias={-1: 5.0}))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm.generate([{"prompt_token_ids": [2, 3]}, {"prompt_token_ids": [2, 10**7]}])
     assert not llm.engine.has_unfinished_requests()

@@ -127,6 +127,12 @@ class LLMEngine:
         bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
         if bad:
             raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
+        for name, ids in (("logit_bias", req.params.logit_bias), ("stop_token_ids",
+                                                                  req.params.stop_token_ids)):
+            bad = [t for t in ids if not 0 <= int(t) < vocab]
+            if bad:
+                raise ValueError(f"{name} names token {bad[0]}, outside the vocabulary "
+                                 f"(size {vocab})")
         if n >= self.max_model_len:
             raise ValueError(f"prompt of {n} tokens does not fit the model's context of "
                              f"{self.max_model_len} tokens")
