@@ -213,6 +213,13 @@ class LLMEngine:
         return results
 
     def _detokenize(self, req: Request, token: int) -> str:
+        start = self.clock()
+        try:
+            return self._detokenize_token(req, token)
+        finally:
+            req.timeline.detokenize_s += self.clock() - start
+
+    def _detokenize_token(self, req: Request, token: int) -> str:
         state = self._outputs[req.request_id]
         if state.detokenizer is None:
             return ""

@@ -40,6 +40,8 @@ class Timeline:
     """When each output token became available, in order."""
     preemptions: list[float] = field(default_factory=list)
     finished: float | None = None
+    detokenize_s: float = 0.0
+    """Engine-thread time spent detokenizing and checking stop strings for this request."""
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__}

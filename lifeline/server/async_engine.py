@@ -1,0 +1,147 @@
+"""The engine on its own thread, so the event loop stays free while a step runs.
+
+The engine is not thread-safe: every call into it (add, abort, step) happens on the engine
+thread. Callers talk to it through a command queue; outputs come back to each request's
+asyncio queue via `call_soon_threadsafe`.
+"""
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from lifeline.engine.engine import LLMEngine, RequestOutput
+from lifeline.engine.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+@dataclass(slots=True)
+class _Add:
+    prompt: list[int]
+    params: SamplingParams
+    request_id: str
+    arrival: float
+    sink: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+    accepted: asyncio.Future
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine, on_finished: Callable[[RequestOutput], None] | None = None):
+        self.engine = engine
+        self.on_finished = on_finished
+        self._commands: queue.Queue[Any] = queue.Queue()
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="lifeline-engine", daemon=True)
+        self.error: BaseException | None = None
+        self.num_running = 0
+        self.num_waiting = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._sinks)
+
+    async def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
+                       arrival: float) -> AsyncIterator[RequestOutput]:
+        """Yields one output per step that gave this request a token; the last is finished.
+        Closing the iterator early (client gone) aborts the request and frees its blocks."""
+        if self.error is not None:
+            raise EngineDeadError(f"the engine stopped: {self.error!r}")
+        loop = asyncio.get_running_loop()
+        sink: asyncio.Queue = asyncio.Queue()
+        accepted = loop.create_future()
+        self._commands.put(_Add(prompt, params, request_id, arrival, sink, loop, accepted))
+        await accepted
+        finished = False
+        try:
+            while True:
+                out = await sink.get()
+                if isinstance(out, BaseException):
+                    raise EngineDeadError(f"the engine stopped: {out!r}")
+                finished = out.finished
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                busy = self.engine.has_unfinished_requests()
+                self._drain_commands(block=not busy)
+                if self.engine.has_unfinished_requests():
+                    self._step()
+        except BaseException as exc:  # noqa: BLE001 - handed to every waiting request
+            self.error = exc
+            for loop, sink in self._sinks.values():
+                loop.call_soon_threadsafe(sink.put_nowait, exc)
+
+    def _drain_commands(self, block: bool) -> None:
+        while True:
+            try:
+                cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if cmd is None:
+                return
+            if isinstance(cmd, _Add):
+                self._add(cmd)
+            else:
+                self._abort(cmd[1])
+
+    def _add(self, cmd: _Add) -> None:
+        try:
+            self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.arrival)
+        except Exception as exc:  # noqa: BLE001 - validation errors go back to the caller
+            cmd.loop.call_soon_threadsafe(_settle, cmd.accepted, exc)
+            return
+        self._sinks[cmd.request_id] = (cmd.loop, cmd.sink)
+        cmd.loop.call_soon_threadsafe(_settle, cmd.accepted, None)
+
+    def _abort(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        self._sinks.pop(request_id, None)
+
+    def _step(self) -> None:
+        outputs = self.engine.step()
+        sched = self.engine.scheduler
+        self.num_running, self.num_waiting = len(sched.running), len(sched.waiting)
+        for out in outputs:
+            target = self._sinks.get(out.request_id)
+            if out.finished:
+                self._sinks.pop(out.request_id, None)
+                if self.on_finished is not None:
+                    self.on_finished(out)
+            if target is not None:
+                loop, sink = target
+                loop.call_soon_threadsafe(sink.put_nowait, out)
+
+
+def _settle(future: asyncio.Future, exc: BaseException | None) -> None:
+    if future.done():
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)
