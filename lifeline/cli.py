@@ -1,4 +1,4 @@
-"""`lifeline` command line: generate (offline), later serve, bench and plan."""
+"""`lifeline` command line: generate (offline), serve; later bench and plan."""
 from __future__ import annotations
 
 import argparse
@@ -54,12 +54,70 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the model behind an OpenAI-compatible API")
+    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: Gemma 3 270M)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients name (default: gemma-3-270m or the file's stem)")
+    p.add_argument("--chat-template", type=Path, default=None, help="a Jinja chat template file")
+    p.add_argument("--allow-request-chat-template", action="store_true",
+                   help="let a request bring its own chat_template")
+    p.add_argument("--reasoning-parser", choices=["think"], default=None)
+    p.add_argument("--tool-call-parser", choices=["hermes"], default=None)
+    p.add_argument("--api-key", action="append", default=[],
+                   help="accepted bearer key (repeat for several; default: no auth)")
+    p.add_argument("--protect-metrics", action="store_true",
+                   help="require a key for /metrics too")
+    p.add_argument("--rate-limit-rpm", type=int, default=None, help="requests per minute per key")
+    p.add_argument("--rate-limit-tpm", type=int, default=None, help="tokens per minute per key")
+    p.add_argument("--max-queued-requests", type=int, default=None,
+                   help="refuse new requests (503) while this many wait for the engine")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds in-flight requests get to finish after SIGTERM")
+    p.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans here")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from lifeline.engine.engine import EngineConfig
+    from lifeline.model.loader import load_model
+    from lifeline.server.config import ServerConfig
+    from lifeline.server.run import serve
+
+    engine = EngineConfig(max_num_seqs=args.max_num_seqs,
+                          max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_model_len=args.max_model_len,
+                          enable_prefix_caching=not args.no_prefix_caching)
+    name = args.served_model_name
+    if name is None and args.model:
+        path = Path(args.model)
+        name = path.stem if path.suffix == ".gguf" else path.name
+    config = ServerConfig(
+        host=args.host, port=args.port, served_model_name=name,
+        chat_template=args.chat_template,
+        allow_request_chat_template=args.allow_request_chat_template,
+        reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
+        api_keys=args.api_key, protect_metrics=args.protect_metrics,
+        rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
+        max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
+        otlp_endpoint=args.otlp_endpoint, engine=engine)
+    model = args.model
+    serve(lambda: load_model(model), config)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="lifeline", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
+    _serve_parser(sub)
     args = parser.parse_args(argv)
-    return {"generate": cmd_generate}[args.command](args)
+    return {"generate": cmd_generate, "serve": cmd_serve}[args.command](args)
 
 
 if __name__ == "__main__":

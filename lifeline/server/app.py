@@ -1,0 +1,140 @@
+"""`create_app(loaded_model, ServerConfig)`: the FastAPI application behind `lifeline serve`."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from lifeline.model.loader import LoadedModel
+from lifeline.server.config import ServerConfig
+from lifeline.server.errors import APIError, bad_request, install_handlers
+from lifeline.server.middleware import GatewayMiddleware
+from lifeline.server.openai_api import parse_body, router
+from lifeline.server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from lifeline.server.state import LoadedOrLoader, ServerState
+
+
+def create_app(loaded_model: LoadedOrLoader, config: ServerConfig | None = None) -> FastAPI:
+    """A server for `loaded_model`, or for what a loader callable returns: then the server
+    answers at once and `/ready` says 503 until the model has loaded in the background."""
+    config = config or ServerConfig()
+    loaded = loaded_model if isinstance(loaded_model, LoadedModel) else None
+    state = ServerState.build(loaded, config)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loader = None
+        if loaded is not None:
+            state.attach(loaded)
+        else:
+            state.admission.loading = True
+            loader = asyncio.create_task(_load(state, loaded_model))
+        try:
+            yield
+        finally:
+            if loader is not None:
+                loader.cancel()
+            if state.aengine is not None:
+                state.aengine.stop()
+            state.tracer.shutdown()
+
+    app = FastAPI(title="Lifeline", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.lifeline = state
+    install_handlers(app)
+    app.include_router(router)
+    _add_routes(app, state)
+    app.add_middleware(GatewayMiddleware, state=state)
+    return app
+
+
+async def _load(state: ServerState, loader: Any) -> None:
+    loaded = await run_in_threadpool(loader)
+    state.attach(loaded)
+    state.admission.loading = False
+
+
+def _add_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if state.admission.draining:
+            return JSONResponse({"status": "draining"}, 503, {"Retry-After": "1"})
+        if not state.ready:
+            return JSONResponse({"status": "loading"}, 503, {"Retry-After": "1"})
+        return JSONResponse({"status": "ready"})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        if state.aengine is not None:
+            state.metrics.update_engine(state.aengine)
+        body, content_type = state.metrics.render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(state)]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        state.check_model(model_id)
+        return _model_card(state)
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        state.require_engine()
+        body: TokenizeRequest = await parse_body(request, TokenizeRequest)
+        state.check_model(body.model)
+        if body.messages is not None:
+            chat = ChatCompletionRequest(messages=body.messages, tools=body.tools,
+                                         add_generation_prompt=body.add_generation_prompt,
+                                         chat_template_kwargs=body.chat_template_kwargs)
+            rendered = await run_in_threadpool(state.chat.render, chat)
+            ids, anatomy = rendered.token_ids, rendered.anatomy
+        else:
+            ids = await run_in_threadpool(state.loaded.tokenizer.encode, body.prompt,
+                                          body.add_special_tokens)
+            anatomy = None
+        out = {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
+        if anatomy is not None:
+            out["prompt_anatomy"] = anatomy
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> dict[str, Any]:
+        state.require_engine()
+        body: DetokenizeRequest = await parse_body(request, DetokenizeRequest)
+        state.check_model(body.model)
+        vocab = state.loaded.config.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise bad_request(f"token id {bad} is outside the vocabulary (size {vocab})",
+                              "tokens")
+        return {"prompt": state.loaded.tokenizer.decode(body.tokens)}
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    card: dict[str, Any] = {"id": state.model_id, "object": "model", "created": state.created,
+                            "owned_by": "lifeline"}
+    loaded = state.loaded
+    if loaded is None:
+        return card
+    cfg = loaded.config
+    total = cfg.num_params()
+    card.update({
+        "root": loaded.source, "max_model_len": state.engine.max_model_len,
+        "context_length": cfg.max_position, "architecture": cfg.architecture,
+        "parameters": {"total": total, "active": total}, "weight_format": loaded.weight_format,
+    })
+    return card
+
+
+__all__ = ["APIError", "create_app"]

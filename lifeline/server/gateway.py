@@ -1,0 +1,152 @@
+"""Stage 1 of a request's life: who is asking, whether they may, and whether there is room."""
+from __future__ import annotations
+
+import hmac
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from lifeline.server.errors import APIError
+
+OPEN_PATHS = frozenset({"/health", "/ready"})
+WINDOW_S = 60.0
+
+
+def bearer_key(authorization: str | None) -> str | None:
+    if not authorization:
+        return None
+    scheme, _, value = authorization.partition(" ")
+    return value.strip() if scheme.lower() == "bearer" else None
+
+
+class Authenticator:
+    """Constant-time comparison against every configured key (no early exit on a match)."""
+
+    def __init__(self, keys: list[str], protect_metrics: bool):
+        self.keys = [k.encode() for k in keys]
+        self.open_paths = OPEN_PATHS if protect_metrics else OPEN_PATHS | {"/metrics"}
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.keys)
+
+    def check(self, path: str, authorization: str | None) -> str:
+        """The caller's key (its identity for rate limits); raises 401 when it is wrong."""
+        if not self.keys or path in self.open_paths:
+            return "anonymous"
+        given = (bearer_key(authorization) or "").encode()
+        matched = False
+        for key in self.keys:
+            matched |= hmac.compare_digest(given, key)
+        if not matched:
+            raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
+                           None, "invalid_api_key")
+        return given.decode()
+
+
+@dataclass(slots=True)
+class _Window:
+    """Events of the last minute for one key: (time, amount)."""
+    events: deque[tuple[float, int]] = field(default_factory=deque)
+    total: int = 0
+
+    def expire(self, now: float) -> None:
+        while self.events and self.events[0][0] <= now - WINDOW_S:
+            self.total -= self.events.popleft()[1]
+
+    def wait_for(self, amount: int, limit: int, now: float) -> float:
+        """Seconds until `amount` more fits under `limit`; 0 when it fits now."""
+        self.expire(now)
+        if self.total + amount <= limit:
+            return 0.0
+        if amount > limit:
+            return WINDOW_S
+        excess = self.total + amount - limit
+        for t, n in self.events:
+            excess -= n
+            if excess <= 0:
+                return t + WINDOW_S - now
+        return WINDOW_S
+
+    def add(self, amount: int, now: float) -> None:
+        if amount:
+            self.events.append((now, amount))
+            self.total += amount
+
+
+class RateLimiter:
+    """Per-key sliding one-minute windows for requests and tokens. A request is admitted when its
+    prompt tokens fit in the window; its completion tokens are charged when it finishes, so a
+    key that generated a lot waits longer for its next admission."""
+
+    def __init__(self, rpm: int | None, tpm: int | None, clock=time.monotonic):
+        self.rpm, self.tpm = rpm, tpm
+        self.clock = clock
+        self._requests: dict[str, _Window] = {}
+        self._tokens: dict[str, _Window] = {}
+
+    @property
+    def enabled(self) -> bool:
+        return self.rpm is not None or self.tpm is not None
+
+    def admit_request(self, key: str) -> None:
+        if self.rpm is None:
+            return
+        now = self.clock()
+        window = self._requests.setdefault(key, _Window())
+        wait = window.wait_for(1, self.rpm, now)
+        if wait:
+            raise APIError(429, f"rate limit of {self.rpm} requests per minute reached",
+                           None, "rate_limit_exceeded", wait)
+        window.add(1, now)
+
+    def admit_tokens(self, key: str, tokens: int) -> None:
+        if self.tpm is None:
+            return
+        now = self.clock()
+        window = self._tokens.setdefault(key, _Window())
+        wait = window.wait_for(tokens, self.tpm, now)
+        if wait:
+            raise APIError(429, f"rate limit of {self.tpm} tokens per minute reached "
+                           f"(this request needs {tokens})", None, "rate_limit_exceeded", wait)
+        window.add(tokens, now)
+
+    def charge_tokens(self, key: str, tokens: int) -> None:
+        """Completion tokens count once generated (the prompt was counted at admission)."""
+        if self.tpm is None or tokens <= 0:
+            return
+        self._tokens.setdefault(key, _Window()).add(tokens, self.clock())
+
+
+class Admission:
+    """Counts requests handed to the engine that have not yet produced a token, and refuses a
+    new one (503) while `limit` of them wait; also the server's loading and draining switch."""
+
+    def __init__(self, limit: int | None, retry_after: float = 1.0):
+        self.limit = limit
+        self.retry_after = retry_after
+        self.waiting = 0
+        self.in_flight = 0
+        self.draining = False
+        self.loading = False
+
+    def check_open(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down", None, "draining",
+                           self.retry_after)
+        if self.loading:
+            raise APIError(503, "the model is still loading", None, "loading", self.retry_after)
+
+    def enter(self, count: int) -> None:
+        self.check_open()
+        if self.limit is not None and self.waiting >= self.limit:
+            raise APIError(503, f"the waiting queue is full ({self.waiting} requests wait; "
+                           f"limit {self.limit})", None, "queue_full", self.retry_after)
+        self.waiting += count
+        self.in_flight += count
+
+    def started(self) -> None:
+        self.waiting -= 1
+
+    def left(self) -> None:
+        self.in_flight -= 1

@@ -1,0 +1,117 @@
+"""Stages 4 to 9 seen from the server: one HTTP request becomes one or more engine requests
+(`n` choices, several prompts) whose outputs arrive merged, in the order the engine made them."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from lifeline.engine.engine import RequestOutput
+from lifeline.engine.request import Request, Timeline
+from lifeline.engine.sampler import TokenLogprobs
+from lifeline.engine.sampling_params import SamplingParams
+from lifeline.server.async_engine import AsyncEngine
+from lifeline.server.gateway import Admission
+
+
+@dataclass(slots=True, eq=False)
+class Choice:
+    """One engine request and what it has produced so far."""
+    index: int
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    request: Request | None = None
+    started: bool = False
+    state: object = None
+    """Per-choice parser state the endpoint keeps (reasoning, tool calls)."""
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def timeline(self) -> Timeline:
+        return self.request.timeline if self.request is not None else Timeline()
+
+    @property
+    def cached_tokens(self) -> int:
+        return self.request.num_cached_tokens if self.request is not None else 0
+
+
+class Cancelled(Exception):
+    """The generation was cancelled (the client went away)."""
+
+
+class Generation:
+    """Runs every choice as its own task; `outputs()` yields (choice, output) as they come.
+    Leaving the iteration early (client gone, error) cancels the tasks, which aborts the
+    engine requests and frees their KV blocks."""
+
+    def __init__(self, aengine: AsyncEngine, admission: Admission, choices: list[Choice],
+                 arrival: float):
+        self.aengine = aengine
+        self.admission = admission
+        self.choices = choices
+        self.arrival = arrival
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+
+    def start(self) -> None:
+        """Admit every choice (503 when the waiting queue is full) and hand them to the engine."""
+        self.admission.enter(len(self.choices))
+        self._tasks = [asyncio.create_task(self._pump(c)) for c in self.choices]
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.choices)
+
+    async def outputs(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+        remaining = len(self._tasks)
+        try:
+            while remaining:
+                item = await self._queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            await self.cancel()
+
+    async def cancel(self) -> None:
+        pending = [t for t in self._tasks if not t.done()]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending, timeout=5)
+
+    async def _pump(self, choice: Choice) -> None:
+        try:
+            async for out in self.aengine.generate(choice.prompt_ids, choice.params,
+                                                   choice.request_id, self.arrival):
+                if not choice.started:
+                    choice.started = True
+                    self.admission.started()
+                choice.request = out.request
+                choice.token_ids.extend(out.new_token_ids)
+                choice.logprobs.extend(out.new_logprobs)
+                choice.text += out.new_text
+                if out.finished:
+                    choice.finish_reason = out.finish_reason or "stop"
+                self._queue.put_nowait((choice, out))
+            self._queue.put_nowait(None)
+        except asyncio.CancelledError:
+            self._queue.put_nowait(Cancelled(f"{choice.request_id} was cancelled"))
+            raise
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            self._queue.put_nowait(exc)
+        finally:
+            if not choice.started:
+                self.admission.started()
+            self.admission.left()

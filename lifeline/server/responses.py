@@ -1,0 +1,64 @@
+"""Stage 10's shapes: OpenAI response objects, stream chunks, usage and logprobs."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from lifeline.engine.sampler import TokenLogprobs
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,
+          reasoning_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": reasoning_tokens}}
+
+
+def sse(obj: dict[str, Any] | str) -> str:
+    data = obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False,
+                                                       separators=(",", ":"))
+    return f"data: {data}\n\n"
+
+
+class TokenText:
+    """Token ids as the strings and bytes logprobs show."""
+
+    def __init__(self, tokenizer: Any):
+        self.tokenizer = tokenizer
+
+    def bytes(self, token_id: int) -> bytes:
+        try:
+            return self.tokenizer.token_to_bytes(token_id)
+        except Exception:  # noqa: BLE001 - an id the vocabulary cannot show
+            return b""
+
+    def text(self, token_id: int) -> str:
+        return self.bytes(token_id).decode("utf-8", errors="replace")
+
+    def chat_logprobs(self, items: list[TokenLogprobs]) -> dict[str, Any]:
+        return {"content": [self._chat_entry(lp) for lp in items]}
+
+    def _chat_entry(self, lp: TokenLogprobs) -> dict[str, Any]:
+        entry = self._token(lp.token_id, lp.logprob)
+        entry["top_logprobs"] = [self._token(t, v) for t, v in lp.top]
+        return entry
+
+    def _token(self, token_id: int, logprob: float) -> dict[str, Any]:
+        raw = self.bytes(token_id)
+        return {"token": raw.decode("utf-8", errors="replace"), "logprob": _finite(logprob),
+                "bytes": list(raw)}
+
+    def completion_logprobs(self, items: list[TokenLogprobs], offset: int) -> dict[str, Any]:
+        tokens = [self.text(lp.token_id) for lp in items]
+        offsets = []
+        for tok in tokens:
+            offsets.append(offset)
+            offset += len(tok)
+        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in items],
+                "top_logprobs": [{self.text(t): _finite(v) for t, v in lp.top} for lp in items],
+                "text_offset": offsets}
+
+
+def _finite(value: float) -> float:
+    return max(float(value), -9999.0)

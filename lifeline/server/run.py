@@ -1,0 +1,60 @@
+"""Run the app under uvicorn, with a drain on SIGTERM/SIGINT: stop admitting (503, `/ready`
+503), let in-flight requests finish for up to `shutdown_timeout` seconds, then exit.
+uvicorn's own graceful shutdown closes the listening socket at once, so the drain comes first."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from types import FrameType
+
+import uvicorn
+
+from lifeline.observe import AccessLog
+from lifeline.server.app import create_app
+from lifeline.server.config import ServerConfig
+from lifeline.server.state import LoadedOrLoader, ServerState
+
+log = logging.getLogger("lifeline.server")
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, state: ServerState):
+        super().__init__(config)
+        self.state = state
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining = False
+
+    async def startup(self, sockets=None) -> None:  # noqa: ANN001 - uvicorn's signature
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._draining or self._loop is None:
+            self.should_exit = True
+            self.force_exit = self._draining
+            return
+        self._draining = True
+        self.state.admission.draining = True
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self.drain()))
+
+    async def drain(self) -> None:
+        timeout = self.state.config.shutdown_timeout
+        admission = self.state.admission
+        log.warning("draining: %d requests in flight, waiting up to %.0f s", admission.in_flight,
+                    timeout)
+        deadline = time.monotonic() + timeout
+        while admission.in_flight > 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if admission.in_flight:
+            log.warning("drain timed out with %d requests in flight", admission.in_flight)
+        await asyncio.sleep(0.1)  # let the last responses flush
+        self.should_exit = True
+
+
+def serve(model: LoadedOrLoader, config: ServerConfig) -> None:
+    AccessLog.configure()
+    app = create_app(model, config)
+    uconfig = uvicorn.Config(app, host=config.host, port=config.port, access_log=False,
+                             timeout_graceful_shutdown=1, log_level="info")
+    DrainingServer(uconfig, app.state.lifeline).run()

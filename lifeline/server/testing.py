@@ -1,0 +1,59 @@
+"""A real server on loopback in a background thread, for tests and notebooks."""
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import uvicorn
+
+from lifeline.server.app import create_app
+from lifeline.server.config import ServerConfig
+from lifeline.server.state import LoadedOrLoader, ServerState
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerThread:
+    """`with ServerThread(loaded, config) as srv:` serves at `srv.base_url` until the block ends."""
+
+    def __init__(self, model: LoadedOrLoader, config: ServerConfig | None = None):
+        self.config = config or ServerConfig()
+        self.config.host, self.config.port = "127.0.0.1", free_port()
+        self.app = create_app(model, self.config)
+        self.server = uvicorn.Server(uvicorn.Config(
+            self.app, host="127.0.0.1", port=self.config.port, access_log=False,
+            log_level="warning", timeout_graceful_shutdown=1))
+        self.thread = threading.Thread(target=self.server.run, name="lifeline-test-server",
+                                       daemon=True)
+
+    @property
+    def state(self) -> ServerState:
+        return self.app.state.lifeline
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.config.port}"
+
+    def start(self, timeout: float = 60.0) -> ServerThread:
+        self.thread.start()
+        deadline = time.monotonic() + timeout
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout)
+
+    def __enter__(self) -> ServerThread:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
