@@ -130,7 +130,7 @@ async def _prepare(request: Request, model: type[BaseModel], endpoint: str) -> J
         stamps.templated = stamps.parsed
         job.prompts = [await _tokenize(state, p) for p in body.prompts]
         stamps.mark("tokenized")
-    _check_prompts(state, job.prompts)
+    _check_prompts(state, job.prompts, "messages" if job.is_chat else "prompt")
     state.limiter.admit_tokens(job.key, job.prompt_tokens * body.n)
     _make_choices(job)
     return job
@@ -142,7 +142,7 @@ async def _off_loop(fn: Callable[..., Any], arg: Any, size: int) -> Any:
             return await run_in_threadpool(fn, arg)
         return fn(arg)
     except (ValueError, TypeError) as exc:
-        raise bad_request(str(exc)) from None
+        raise bad_request(str(exc), getattr(exc, "param", None)) from None
 
 
 def _chat_size(body: ChatCompletionRequest) -> int:
@@ -162,7 +162,7 @@ async def _tokenize(state: ServerState, prompt: str | list[int]) -> list[int]:
     return await _off_loop(state.loaded.tokenizer.encode, prompt, len(prompt))
 
 
-def _check_prompts(state: ServerState, prompts: list[list[int]]) -> None:
+def _check_prompts(state: ServerState, prompts: list[list[int]], param: str) -> None:
     vocab = state.loaded.config.vocab_size
     limit = state.engine.max_model_len
     for ids in prompts:
@@ -171,11 +171,10 @@ def _check_prompts(state: ServerState, prompts: list[list[int]]) -> None:
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is outside the vocabulary (size {vocab})",
-                              "prompt")
+                              param)
         if len(ids) >= limit:
             raise bad_request(f"the prompt has {len(ids)} tokens; this model's context is "
-                              f"{limit} tokens and needs room for at least one more",
-                              "messages" if len(prompts) == 1 else "prompt")
+                              f"{limit} tokens and needs room for at least one more", param)
 
 
 def _make_choices(job: Job) -> None:

@@ -1,0 +1,256 @@
+"""`lifeline serve` on the default model, driven over loopback by the official `openai` client
+(and raw `httpx` where a client would refuse to send the request): what a user of an
+OpenAI-compatible server observes, plus the timings that say where each millisecond went."""
+import asyncio
+import json
+import math
+import time
+
+import httpx
+import openai
+import pytest
+
+from lifeline import LLM, SamplingParams
+from lifeline.engine.engine import EngineConfig
+from lifeline.model.loader import load_model
+from lifeline.observe import STAGES
+from lifeline.server.config import ServerConfig
+from lifeline.server.testing import ServerThread
+
+MODEL = "gemma-3-270m"
+STAGE_KEYS = [f"{s}_ms" for s in STAGES]
+TIMING_KEYS = STAGE_KEYS + ["prefill_chunks", "ttft_ms", "ttfat_ms", "tbt_p50_ms", "tbt_p90_ms",
+                            "tbt_max_ms", "e2e_ms", "prompt_tokens", "cached_tokens",
+                            "completion_tokens", "prefill_tok_s", "decode_tok_s", "preemptions",
+                            "prompt_anatomy"]
+SUM_TOLERANCE_MS = 0.01
+"""The stages telescope from arrival to last byte, so they add up to e2e up to float rounding."""
+LONG_PROMPT = ("You are a careful assistant who answers questions about geography, history and "
+               "science. Always answer briefly, in one sentence, and say so when you do not know. ")
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    config = ServerConfig(engine=EngineConfig(kv_cache_memory_bytes=256 << 20))
+    with ServerThread(loaded, config) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=120,
+                         max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, timeout=60) as c:
+        yield c
+
+
+def _extra(obj, name):
+    return (obj.model_extra or {}).get(name)
+
+
+def _check_timings(timings: dict, client_e2e_s: float, completion_tokens: int) -> None:
+    assert set(TIMING_KEYS) <= set(timings), set(TIMING_KEYS) - set(timings)
+    stages = sum(timings[k] for k in STAGE_KEYS)
+    assert all(timings[k] >= 0 for k in STAGE_KEYS), timings
+    assert math.isclose(stages, timings["e2e_ms"], abs_tol=SUM_TOLERANCE_MS), timings
+    assert timings["e2e_ms"] <= client_e2e_s * 1e3
+    assert 0 < timings["ttft_ms"] <= timings["e2e_ms"]
+    assert timings["completion_tokens"] == completion_tokens
+    assert timings["prefill_chunks"] >= 1
+
+
+def test_completion_matches_the_offline_engine(loaded, client):
+    prompt = "The capital of France is"
+    expected = LLM(loaded, kv_cache_memory_bytes=64 << 20).generate(
+        prompt, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    start = time.perf_counter()
+    out = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    e2e = time.perf_counter() - start
+    assert out.choices[0].text == expected.text
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.prompt_tokens == len(expected.prompt_token_ids)
+    assert out.usage.completion_tokens == 12
+    _check_timings(_extra(out, "timings"), e2e, 12)
+
+
+def test_streamed_completion_equals_the_whole_one_and_ends_with_usage_and_timings(client):
+    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0,
+                  extra_body={"ignore_eos": True})
+    whole = client.completions.create(**kwargs)
+    start = time.perf_counter()
+    chunks = list(client.completions.create(stream=True,
+                                            stream_options={"include_usage": True}, **kwargs))
+    e2e = time.perf_counter() - start
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == whole.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    last = chunks[-1]
+    assert last.choices == [] and last.usage.completion_tokens == 10
+    assert last.usage.prompt_tokens == whole.usage.prompt_tokens
+    _check_timings(_extra(last, "timings"), e2e, 10)
+    assert all(_extra(c, "timings") is None for c in chunks[:-1])
+
+
+def test_streaming_without_usage_puts_timings_in_the_last_chunk(client):
+    chunks = list(client.completions.create(model=MODEL, prompt="One, two, three,",
+                                            max_tokens=4, temperature=0, stream=True))
+    assert chunks[-1].choices[0].finish_reason is not None
+    assert _extra(chunks[-1], "timings")["completion_tokens"] == 4
+    assert all(c.usage is None for c in chunks)
+
+
+def test_repeated_prompt_reports_cached_tokens(client):
+    prompt = LONG_PROMPT + "What is the capital of Italy?"
+    first = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    second = client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0)
+    assert first.usage.prompt_tokens >= 32
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= 16 and cached % 16 == 0 and cached < second.usage.prompt_tokens
+    assert _extra(second, "timings")["cached_tokens"] == cached
+
+
+def test_non_streaming_response_sends_server_timing(http):
+    r = http.post("/v1/completions", json={"model": MODEL, "prompt": "Hello", "max_tokens": 3})
+    assert r.status_code == 200
+    header = r.headers["server-timing"]
+    names = [entry.split(";")[0].strip() for entry in header.split(",")]
+    assert names[:len(STAGES)] == list(STAGES) and "e2e" in names
+    e2e = float(header.split("e2e;dur=")[1])
+    assert math.isclose(e2e, r.json()["timings"]["e2e_ms"], rel_tol=1e-3)
+
+
+def test_n_choices_stop_seed_and_logprobs(client):
+    out = client.completions.create(model=MODEL, prompt="Colors: red, green,", max_tokens=8,
+                                    n=3, temperature=1.0, seed=7, logprobs=2)
+    assert sorted(c.index for c in out.choices) == [0, 1, 2]
+    assert out.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in out.choices)
+    for c in out.choices:
+        assert len(c.logprobs.top_logprobs[0]) == 2
+        assert all(lp <= 0 for lp in c.logprobs.token_logprobs)
+    again = client.completions.create(model=MODEL, prompt="Colors: red, green,", max_tokens=8,
+                                      n=1, temperature=1.0, seed=7)
+    assert again.choices[0].text == client.completions.create(
+        model=MODEL, prompt="Colors: red, green,", max_tokens=8, temperature=1.0,
+        seed=7).choices[0].text
+    stopped = client.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=20,
+                                        temperature=0, stop=[" 7"])
+    assert stopped.choices[0].finish_reason == "stop" and " 7" not in stopped.choices[0].text
+
+
+def test_models_tokenize_and_detokenize(loaded, client, http):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL]
+    card = http.get("/v1/models").json()["data"][0]
+    assert card["architecture"] == "gemma3" and card["context_length"] == 32768
+    assert card["parameters"]["total"] == card["parameters"]["active"] == \
+        loaded.config.num_params()
+    assert card["weight_format"].startswith("gguf:")
+    ids = http.post("/tokenize", json={"prompt": "Hello world"}).json()
+    assert ids["tokens"] == loaded.tokenizer.encode("Hello world") and ids["count"] == 3
+    text = http.post("/detokenize", json={"tokens": ids["tokens"][1:]}).json()["prompt"]
+    assert text == "Hello world"
+
+
+def test_health_ready_and_metrics(http):
+    assert http.get("/health").status_code == 200
+    assert http.get("/ready").json() == {"status": "ready"}
+    metrics = http.get("/metrics").text
+    for name in ("lifeline:time_to_first_token_seconds_bucket", "lifeline:kv_cache_usage_perc",
+                 "lifeline:request_queue_time_seconds_bucket", "lifeline:prompt_tokens_total"):
+        assert name in metrics
+
+
+BAD_REQUESTS = [
+    ("invalid JSON", b'{"prompt": "x",', 400, None),
+    ("non-object body", b"[1, 2]", 400, None),
+    ("negative max_tokens", {"prompt": "x", "max_tokens": -1}, 400, "max_tokens"),
+    ("zero max_tokens", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("unknown model", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+    ("NaN temperature", b'{"prompt": "x", "temperature": NaN}', 400, None),
+    ("temperature too high", {"prompt": "x", "temperature": 5}, 400, "temperature"),
+    ("top_p zero", {"prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("n too large", {"prompt": "x", "n": 1000}, 400, "n"),
+    ("n zero", {"prompt": "x", "n": 0}, 400, "n"),
+    ("logprobs too many", {"prompt": "x", "logprobs": 50}, 400, "logprobs"),
+    ("stream_options without stream", {"prompt": "x", "stream_options": {"include_usage": True}},
+     400, None),
+    ("token id out of vocabulary", {"prompt": [2, 999999999]}, 400, "prompt"),
+    ("negative token id", {"prompt": [2, -5]}, 400, "prompt"),
+    ("unpaired surrogate", b'{"prompt": "abc \\ud800 def"}', 400, None),
+    ("deep nesting", b'{"prompt": "x", "user": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, None),
+    ("prompt longer than the context", {"prompt": [2] + [107] * 33000, "max_tokens": 1}, 400,
+     "prompt"),
+    ("wrong type", {"prompt": {"a": 1}}, 400, "prompt"),
+    ("logit_bias outside vocabulary", {"prompt": "x", "logit_bias": {"99999999": 1}}, 400,
+     "logit_bias"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,param", BAD_REQUESTS, ids=[b[0] for b in BAD_REQUESTS])
+def test_bad_completion_requests_get_openai_errors_and_the_server_stays_up(http, name, body,
+                                                                          status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = http.post("/v1/completions", content=content,
+                  headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["type"] == ("invalid_request_error" if status == 400 else "not_found_error")
+    if param is not None:
+        assert error["param"] is not None and error["param"].startswith(param), error
+    ok = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+    assert ok.status_code == 200
+
+
+def test_too_large_body_is_413(http):
+    r = http.post("/v1/completions", content=b'{"prompt": "' + b"a" * (9 << 20) + b'"}',
+                  headers={"content-type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["message"]
+    assert http.get("/health").status_code == 200
+
+
+def test_unknown_route_is_an_openai_404(http):
+    r = http.get("/v1/nothing-here")
+    assert r.status_code == 404 and r.json()["error"]["type"] == "not_found_error"
+
+
+def test_openai_client_raises_on_bad_input(client):
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model=MODEL, prompt="x", max_tokens=-3)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x")
+
+
+def test_thirty_two_concurrent_streams_complete_with_consistent_usage_and_timings(server):
+    async def one(client: openai.AsyncOpenAI, i: int):
+        start = time.perf_counter()
+        stream = await client.completions.create(
+            model=MODEL, prompt=f"Item {i}: the number {i} is", max_tokens=6 + i % 3,
+            temperature=0, stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True})
+        chunks = [c async for c in stream]
+        return chunks, time.perf_counter() - start, 6 + i % 3
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x",
+                                      timeout=240, max_retries=0) as client:
+            return await asyncio.wait_for(asyncio.gather(*(one(client, i) for i in range(32))),
+                                          300)
+
+    results = asyncio.run(run())
+    for chunks, e2e, wanted in results:
+        text_chunks = [c for c in chunks if c.choices and c.choices[0].text]
+        assert 1 <= len(text_chunks) <= wanted
+        last = chunks[-1]
+        assert last.usage.completion_tokens == wanted
+        _check_timings(_extra(last, "timings"), e2e, wanted)
