@@ -66,7 +66,11 @@ class AsyncEngine:
         sink: asyncio.Queue = asyncio.Queue()
         accepted = loop.create_future()
         self._commands.put(_Add(prompt, params, request_id, arrival, sink, loop, accepted))
-        await accepted
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self.abort(request_id)  # queued after the add, so it finds the request
+            raise
         finished = False
         try:
             while True:

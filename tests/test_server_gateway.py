@@ -1,0 +1,201 @@
+"""The gateway under pressure: keys, rate limits, a bounded queue, health while the engine is
+saturated, and a client that hangs up mid-stream. Real servers on loopback, default model."""
+import asyncio
+import re
+import time
+
+import httpx
+import openai
+import pytest
+
+from lifeline.engine.engine import EngineConfig
+from lifeline.model.loader import load_model
+from lifeline.server.config import ServerConfig
+from lifeline.server.testing import ServerThread
+
+MODEL = "gemma-3-270m"
+SMALL_KV = 128 << 20
+LONG = {"model": MODEL, "prompt": "Write a long story about a dragon.", "max_tokens": 400,
+        "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return load_model()
+
+
+def _server(loaded, **kwargs) -> ServerThread:
+    engine = kwargs.pop("engine", EngineConfig(kv_cache_memory_bytes=SMALL_KV))
+    return ServerThread(loaded, ServerConfig(engine=engine, **kwargs))
+
+
+def _kv_usage(metrics_text: str) -> float:
+    match = re.search(r"^lifeline:kv_cache_usage_perc\{[^}]*\} (\S+)$", metrics_text, re.M)
+    assert match, "no kv usage gauge"
+    return float(match.group(1))
+
+
+def test_api_keys_guard_every_route_but_health_ready_and_metrics(loaded):
+    with _server(loaded, api_keys=["key-one", "key-two"]) as srv:
+        url = srv.base_url
+        for key in ("key-one", "key-two"):
+            client = openai.OpenAI(base_url=url + "/v1", api_key=key, max_retries=0, timeout=60)
+            assert client.completions.create(model=MODEL, prompt="Hi", max_tokens=1).usage
+        bad = openai.OpenAI(base_url=url + "/v1", api_key="key-three", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError):
+            bad.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+        with pytest.raises(openai.AuthenticationError):
+            bad.models.list()
+        with httpx.Client(base_url=url, timeout=30) as http:
+            r = http.post("/v1/chat/completions", json={"model": MODEL})
+            assert r.status_code == 401
+            assert r.json()["error"]["type"] == "authentication_error"
+            r = http.post("/tokenize", json={"prompt": "x"},
+                          headers={"Authorization": "Bearer key-one-and-more"})
+            assert r.status_code == 401
+            for path in ("/health", "/ready", "/metrics"):
+                assert http.get(path).status_code == 200, path
+            ok = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                           headers={"Authorization": "Bearer key-two"})
+            assert ok.status_code == 200
+
+
+def test_protect_metrics_requires_a_key_for_metrics(loaded):
+    with _server(loaded, api_keys=["k"], protect_metrics=True) as srv:
+        with httpx.Client(base_url=srv.base_url, timeout=30) as http:
+            assert http.get("/metrics").status_code == 401
+            assert http.get("/metrics", headers={"Authorization": "Bearer k"}).status_code == 200
+            assert http.get("/health").status_code == 200
+
+
+def test_requests_per_minute_limit_gives_429_with_retry_after(loaded):
+    with _server(loaded, api_keys=["a", "b"], rate_limit_rpm=2) as srv:
+        with httpx.Client(base_url=srv.base_url, timeout=60) as http:
+            body = {"prompt": "Hi", "max_tokens": 1}
+            auth = {"Authorization": "Bearer a"}
+            assert http.post("/v1/completions", json=body, headers=auth).status_code == 200
+            assert http.post("/v1/completions", json=body, headers=auth).status_code == 200
+            r = http.post("/v1/completions", json=body, headers=auth)
+            assert r.status_code == 429
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            assert 1 <= int(r.headers["retry-after"]) <= 60
+            other = http.post("/v1/completions", json=body, headers={"Authorization": "Bearer b"})
+            assert other.status_code == 200, "limits are per key"
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="a", max_retries=0)
+        with pytest.raises(openai.RateLimitError):
+            client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+
+
+def test_tokens_per_minute_limit_counts_prompt_and_completion_tokens(loaded):
+    with _server(loaded, rate_limit_tpm=40) as srv:
+        with httpx.Client(base_url=srv.base_url, timeout=60) as http:
+            first = http.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 40,
+                                                       "ignore_eos": True})
+            assert first.status_code == 200, "admitted: its 3 prompt tokens fit"
+            assert first.json()["usage"]["total_tokens"] == 43
+            r = http.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 1})
+            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+
+
+def test_full_waiting_queue_gives_503_with_retry_after_not_a_hang(loaded):
+    engine = EngineConfig(kv_cache_memory_bytes=SMALL_KV, max_num_seqs=1)
+    with _server(loaded, engine=engine, max_queued_requests=1) as srv:
+        async def scenario():
+            async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as http:
+                async with http.stream("POST", "/v1/completions",
+                                       json={**LONG, "stream": True}) as running:
+                    lines = running.aiter_lines()
+                    while not (await anext(lines)).startswith("data:"):
+                        pass
+                    waiting = asyncio.create_task(http.post("/v1/completions", json=LONG))
+                    for _ in range(200):
+                        if srv.state.admission.waiting >= 1:
+                            break
+                        await asyncio.sleep(0.02)
+                    assert srv.state.admission.waiting == 1
+                    start = time.perf_counter()
+                    refused = await http.post("/v1/completions",
+                                              json={"prompt": "Hi", "max_tokens": 1})
+                    assert time.perf_counter() - start < 5
+                    waiting.cancel()
+                    return refused
+
+        refused = asyncio.run(asyncio.wait_for(scenario(), 120))
+        assert refused.status_code == 503
+        assert refused.json()["error"]["code"] == "queue_full"
+        assert int(refused.headers["retry-after"]) >= 1
+        _wait_for_idle(srv)
+        with httpx.Client(base_url=srv.base_url, timeout=60) as http:
+            assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}
+                             ).status_code == 200
+
+
+def _wait_for_idle(srv: ServerThread, timeout: float = 30) -> None:
+    engine = srv.state.engine
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not engine.has_unfinished_requests() and srv.state.admission.in_flight == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the engine did not go idle")
+
+
+def test_health_answers_within_two_seconds_while_sixteen_long_requests_run(loaded):
+    engine = EngineConfig(kv_cache_memory_bytes=SMALL_KV, max_num_seqs=16)
+    with _server(loaded, engine=engine) as srv:
+        async def scenario():
+            async with openai.AsyncOpenAI(base_url=srv.base_url + "/v1", api_key="x",
+                                          max_retries=0, timeout=300) as client, \
+                    httpx.AsyncClient(base_url=srv.base_url, timeout=10) as http:
+                streams = [await client.completions.create(
+                    model=MODEL, prompt=f"Story {i}: once upon a time", max_tokens=48,
+                    temperature=0, stream=True, extra_body={"ignore_eos": True})
+                    for i in range(16)]
+
+                async def drain(stream):
+                    return [c async for c in stream]
+
+                tasks = [asyncio.create_task(drain(s)) for s in streams]
+                for _ in range(100):
+                    if srv.state.engine.scheduler.running:
+                        break
+                    await asyncio.sleep(0.05)
+                latencies = []
+                while not all(t.done() for t in tasks) or not latencies:
+                    start = time.perf_counter()
+                    r = await http.get("/health")
+                    assert r.status_code == 200
+                    latencies.append(time.perf_counter() - start)
+                    await asyncio.sleep(0.2)
+                busy = len(srv.state.engine.scheduler.running)
+                await asyncio.gather(*tasks)
+                return latencies, busy
+
+        latencies, _ = asyncio.run(asyncio.wait_for(scenario(), 400))
+        assert len(latencies) >= 3
+        assert max(latencies) < 2.0, latencies
+
+
+def test_client_disconnect_mid_stream_aborts_and_frees_kv_blocks(loaded):
+    with _server(loaded) as srv:
+        engine = srv.state.engine
+        total = engine.block_manager.num_blocks
+        with httpx.Client(base_url=srv.base_url, timeout=60) as http:
+            with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+                seen = 0
+                for line in r.iter_lines():
+                    if line.startswith("data:"):
+                        seen += 1
+                    if seen == 3:
+                        break
+                assert engine.block_manager.num_free_blocks < total
+                assert _kv_usage(http.get("/metrics").text) > 0
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline:
+                if engine.block_manager.num_free_blocks == total and not engine.requests:
+                    break
+                time.sleep(0.05)
+            assert engine.block_manager.num_free_blocks == total
+            assert _kv_usage(http.get("/metrics").text) == 0.0
+            assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}
+                             ).status_code == 200
