@@ -254,3 +254,87 @@ def test_thirty_two_concurrent_streams_complete_with_consistent_usage_and_timing
         last = chunks[-1]
         assert last.usage.completion_tokens == wanted
         _check_timings(_extra(last, "timings"), e2e, wanted)
+
+
+CHAT = [{"role": "system", "content": "You answer in one short sentence."},
+        {"role": "user", "content": "What is the capital of France?"}]
+
+
+def test_chat_completion_and_its_stream_agree_and_report_prompt_anatomy(client):
+    kwargs = dict(model=MODEL, messages=CHAT, max_completion_tokens=8, temperature=0,
+                  extra_body={"ignore_eos": True})
+    start = time.perf_counter()
+    whole = client.chat.completions.create(**kwargs)
+    e2e = time.perf_counter() - start
+    message = whole.choices[0].message
+    assert message.role == "assistant" and message.content
+    assert whole.choices[0].finish_reason == "length"
+    timings = _extra(whole, "timings")
+    _check_timings(timings, e2e, 8)
+    anatomy = timings["prompt_anatomy"]
+    assert anatomy["total"] == whole.usage.prompt_tokens == timings["prompt_tokens"]
+    assert sum(v for k, v in anatomy.items() if k != "total") == anatomy["total"]
+    assert anatomy["system"] > 0 and anatomy["latest_user"] > 0 and anatomy["template"] > 0
+    assert timings["template_ms"] > 0 and timings["ttfat_ms"] == timings["ttft_ms"]
+    chunks = list(client.chat.completions.create(
+        stream=True, stream_options={"include_usage": True}, **kwargs))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == message.content
+    assert chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens > 0, "same prompt again"
+    assert _extra(chunks[-1], "timings")["prompt_anatomy"] == anatomy
+
+
+def test_chat_logprobs_n_and_async_client(server):
+    async def run():
+        async with openai.AsyncOpenAI(base_url=server.base_url + "/v1", api_key="x",
+                                      max_retries=0, timeout=120) as client:
+            return await client.chat.completions.create(
+                model=MODEL, messages=CHAT, max_tokens=4, n=2, temperature=0.7, seed=3,
+                logprobs=True, top_logprobs=3)
+
+    out = asyncio.run(asyncio.wait_for(run(), 120))
+    assert [c.index for c in out.choices] == [0, 1]
+    for c in out.choices:
+        entries = c.logprobs.content
+        assert len(entries) == 4 and all(len(e.top_logprobs) == 3 for e in entries)
+        assert all(e.logprob <= 0 and bytes(e.bytes).decode("utf-8", "replace") == e.token
+                   for e in entries)
+    assert out.usage.completion_tokens == 8
+
+
+BAD_CHATS = [
+    ("empty messages", {"messages": []}, 400, "messages"),
+    ("messages not a list", {"messages": "hi"}, 400, "messages"),
+    ("unknown role", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages"),
+    ("tool_choice without tools", {"messages": CHAT, "tool_choice": "auto"}, 400, "tool_choice"),
+    ("top_logprobs above the limit", {"messages": CHAT, "logprobs": True, "top_logprobs": 21},
+     400, "top_logprobs"),
+    ("request template not allowed", {"messages": CHAT, "chat_template": "{{ 'x' }}"}, 400,
+     "chat_template"),
+    ("max_completion_tokens zero", {"messages": CHAT, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
+    ("negative frequency penalty out of range", {"messages": CHAT, "frequency_penalty": -3},
+     400, "frequency_penalty"),
+    ("infinite top_p", b'{"messages": [{"role": "user", "content": "x"}], "top_p": Infinity}',
+     400, None),
+    ("unknown model", {"model": "llama-9000", "messages": CHAT}, 404, "model"),
+    ("prompt longer than the context", {"messages": [{"role": "user", "content":
+                                                      "hello " * 33000}]}, 400, "messages"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,param", BAD_CHATS, ids=[b[0] for b in BAD_CHATS])
+def test_bad_chat_requests_get_openai_errors_and_the_server_stays_up(http, name, body, status,
+                                                                    param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = http.post("/v1/chat/completions", content=content,
+                  headers={"content-type": "application/json"})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    if param is not None:
+        assert (error["param"] or "").startswith(param), error
+    ok = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1})
+    assert ok.status_code == 200

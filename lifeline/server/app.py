@@ -97,8 +97,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             chat = ChatCompletionRequest(messages=body.messages, tools=body.tools,
                                          add_generation_prompt=body.add_generation_prompt,
                                          chat_template_kwargs=body.chat_template_kwargs)
-            rendered = await run_in_threadpool(state.chat.render, chat)
-            ids, anatomy = rendered.token_ids, rendered.anatomy
+            ids, anatomy = await run_in_threadpool(_tokenize_chat, state, chat)
         else:
             ids = await run_in_threadpool(state.loaded.tokenizer.encode, body.prompt,
                                           body.add_special_tokens)
@@ -119,6 +118,16 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request(f"token id {bad} is outside the vocabulary (size {vocab})",
                               "tokens")
         return {"prompt": state.loaded.tokenizer.decode(body.tokens)}
+
+
+def _tokenize_chat(state: ServerState, body: ChatCompletionRequest
+                   ) -> tuple[list[int], dict[str, int]]:
+    try:
+        rendered = state.chat.render(body)
+        ids = state.chat.encode(rendered)
+        return ids, state.chat.anatomy(rendered, ids)
+    except ValueError as exc:
+        raise bad_request(str(exc), getattr(exc, "param", None)) from None
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:

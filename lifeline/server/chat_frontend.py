@@ -1,20 +1,38 @@
-"""Stage 2 seen from the server: messages to prompt ids (with their anatomy) and generated text
-back to content, reasoning and tool calls. The work is `lifeline.chat`'s; this file adapts it
-to the endpoints."""
+"""Stage 2 seen from the server: messages to prompt ids (and their anatomy), and generated text
+back to content, reasoning and tool calls. The work is `lifeline.chat`'s; this file picks the
+server's template and parsers and adapts them to the endpoints."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from lifeline.chat import (
+    ChatInputs,
+    ChatTemplate,
+    ReasoningParser,
+    ToolCallDelta,
+    ToolCallParser,
+    builtin_family,
+    opens_reasoning,
+    prompt_add_special_tokens,
+    resolve_template,
+    template_for_request,
+)
+from lifeline.chat.anatomy import anatomy_of_inputs
 from lifeline.model.loader import LoadedModel
 from lifeline.server.config import ServerConfig
+
+REASONING_PARSERS = ("think",)
+TOOL_CALL_PARSERS = ("hermes",)
 
 
 @dataclass(slots=True)
 class RenderedPrompt:
-    token_ids: list[int]
+    """A chat request's prompt: its text, and what anatomy needs to be computed later."""
     text: str
-    anatomy: dict[str, int] | None = None
+    template: ChatTemplate
+    inputs: ChatInputs
 
 
 @dataclass(slots=True)
@@ -24,30 +42,113 @@ class Delta:
     reasoning: str = ""
     tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
-    def __bool__(self) -> bool:
-        return bool(self.content or self.reasoning or self.tool_calls)
+    def __add__(self, other: Delta) -> Delta:
+        return Delta(self.content + other.content, self.reasoning + other.reasoning,
+                     self.tool_calls + other.tool_calls)
 
 
-class PlainParser:
-    """No reasoning or tool-call parser: all text is content."""
-    in_reasoning = False
-    saw_tool_calls = False
+class OutputParser:
+    """Reasoning first (`<think>…</think>`), then tool calls in what is left as content."""
+
+    def __init__(self, reasoning: ReasoningParser | None, tools: ToolCallParser | None):
+        self.reasoning = reasoning
+        self.tools = tools
+        self.saw_tool_calls = False
+
+    @property
+    def in_reasoning(self) -> bool:
+        return self.reasoning is not None and self.reasoning.in_reasoning
 
     def feed(self, text: str) -> Delta:
-        return Delta(content=text)
+        if self.reasoning is None:
+            return self._content(text, final=False)
+        reasoning, content = self.reasoning.feed(text)
+        delta = self._content(content, final=False)
+        delta.reasoning = reasoning
+        return delta
 
     def finish(self) -> Delta:
-        return Delta()
+        if self.reasoning is None:
+            return self._content("", final=True)
+        reasoning, content = self.reasoning.flush()
+        delta = self._content(content, final=True)
+        delta.reasoning = reasoning
+        return delta
+
+    def _content(self, text: str, final: bool) -> Delta:
+        if self.tools is None:
+            return Delta(content=text)
+        events = self.tools.feed(text) if text else []
+        if final:
+            events += self.tools.flush()
+        delta = Delta()
+        for event in events:
+            if isinstance(event, ToolCallDelta):
+                delta.tool_calls.append(event.as_dict())
+                self.saw_tool_calls = True
+            else:
+                delta.content += event
+        return delta
 
 
 class ChatFrontend:
     def __init__(self, loaded: LoadedModel, config: ServerConfig):
-        self.loaded = loaded
+        if config.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"unknown reasoning parser {config.reasoning_parser!r}")
+        if config.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
+            raise ValueError(f"unknown tool-call parser {config.tool_call_parser!r}")
         self.config = config
         self.tokenizer = loaded.tokenizer
+        self.template = resolve_template(
+            template_file=config.chat_template, gguf_template=_gguf_template(loaded),
+            hf_dir=loaded.source if Path(loaded.source).is_dir() else None,
+            family=builtin_family(loaded.config.architecture),
+            bos_token=self._special_text("bos_token_id"),
+            eos_token=self._special_text("eos_token_id"))
+
+    def _special_text(self, name: str) -> str:
+        token = getattr(self.tokenizer, name, None)
+        if token is None:
+            return ""
+        return self.tokenizer.token_to_bytes(token).decode("utf-8", "replace")
 
     def render(self, body: Any) -> RenderedPrompt:
-        raise NotImplementedError
+        """The prompt text of a chat request (raises `ChatError`, a ValueError, with `param`)."""
+        template = template_for_request(
+            self.template, body.chat_template,
+            allow_request_template=self.config.allow_request_chat_template)
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        inputs = ChatInputs.from_request(
+            messages, tools=body.tools, tool_choice=body.tool_choice,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            chat_template_kwargs=body.chat_template_kwargs)
+        return RenderedPrompt(template.render_inputs(inputs), template, inputs)
 
-    def parser(self, body: Any) -> PlainParser:
-        return PlainParser()
+    def encode(self, prompt: RenderedPrompt) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer, so it cannot serve chat")
+        return self.tokenizer.encode(prompt.text,
+                                     prompt_add_special_tokens(self.tokenizer, prompt.text))
+
+    def anatomy(self, prompt: RenderedPrompt, ids: list[int]) -> dict[str, int]:
+        return anatomy_of_inputs(prompt.template, self.tokenizer, prompt.inputs, ids).as_dict()
+
+    def parser(self, body: Any, prompt: RenderedPrompt) -> OutputParser:
+        reasoning = None
+        if self.config.reasoning_parser == "think":
+            reasoning = ReasoningParser(starts_in_reasoning=opens_reasoning(prompt.text))
+        tools = None
+        if self.config.tool_call_parser == "hermes" and body.tools and body.tool_choice != "none":
+            tools = ToolCallParser()
+        return OutputParser(reasoning, tools)
+
+
+def _gguf_template(loaded: LoadedModel) -> str | None:
+    path = Path(loaded.source)
+    if not path.is_file() or path.suffix != ".gguf":
+        return None
+    from lifeline.model.gguf_file import GGUFFile
+
+    value = GGUFFile(path).metadata.get("tokenizer.chat_template")
+    return value if isinstance(value, str) and value else None

@@ -56,11 +56,20 @@ def validation_error(exc: ValidationError | RequestValidationError) -> APIError:
         return bad_request("invalid request")
     first = errors[0]
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or None
-    message = first.get("msg", "invalid value")
-    if param:
+    cause = (first.get("ctx") or {}).get("error")
+    param = ".".join(loc) or getattr(cause, "param", None)
+    message = str(cause) if isinstance(cause, Exception) else first.get("msg", "invalid value")
+    if loc:
         message = f"{param}: {message}"
     return bad_request(message, param)
+
+
+class ParamError(ValueError):
+    """A validation failure that names the request field at fault."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
 
 
 def parse_json(body: bytes, max_depth: int) -> dict[str, Any]:

@@ -15,7 +15,7 @@ from starlette.concurrency import run_in_threadpool
 
 from lifeline.engine.engine import RequestOutput
 from lifeline.observe import RequestRecord, ServerStamps, combine_timelines
-from lifeline.server.chat_frontend import Delta
+from lifeline.server.chat_frontend import Delta, RenderedPrompt
 from lifeline.server.errors import APIError, bad_request, parse_json, validation_error
 from lifeline.server.generation import Cancelled, Choice, Generation
 from lifeline.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -37,7 +37,9 @@ class Job:
     body: Any
     response_id: str
     prompts: list[list[int]] = field(default_factory=list)
+    rendered: RenderedPrompt | None = None
     anatomy: dict[str, int] | None = None
+    anatomy_task: asyncio.Future | None = None
     choices: list[Choice] = field(default_factory=list)
     generation: Generation | None = None
     reasoning_tokens: int = 0
@@ -62,6 +64,20 @@ class Job:
             reasoning_tokens=self.reasoning_tokens, first_answer_token_time=self.first_answer,
             finish_reason=finish[0] if finish and finish[0] else "abort",
             anatomy=self.anatomy, status=status)
+
+    def start_anatomy(self) -> None:
+        """Prompt anatomy renders the template twice more: it runs beside the generation."""
+        if self.rendered is not None:
+            self.anatomy_task = asyncio.ensure_future(run_in_threadpool(
+                self.state.chat.anatomy, self.rendered, self.prompts[0]))
+
+    async def finish_anatomy(self) -> None:
+        if self.anatomy_task is None:
+            return
+        try:
+            self.anatomy = await asyncio.wait_for(self.anatomy_task, 30)
+        except Exception:  # noqa: BLE001 - the anatomy is a report; the answer stands
+            self.anatomy = None
 
     def account(self, record: RequestRecord) -> None:
         if not self.accounted:
@@ -122,10 +138,12 @@ async def _prepare(request: Request, model: type[BaseModel], endpoint: str) -> J
     job = Job(state, stamps, request.state.key, endpoint, body,
               new_id("chatcmpl" if model is ChatCompletionRequest else "cmpl"))
     if job.is_chat:
-        rendered = await _off_loop(state.chat.render, body, _chat_size(body))
+        offload = body.chat_template is not None or _chat_size(body) > THREAD_THRESHOLD_CHARS
+        job.rendered = await _off_loop(state.chat.render, body, offload)
         stamps.mark("templated")
-        job.prompts, job.anatomy = [rendered.token_ids], rendered.anatomy
-        stamps.tokenized = getattr(rendered, "tokenized_at", None) or time.perf_counter()
+        offload = len(job.rendered.text) > THREAD_THRESHOLD_CHARS
+        job.prompts = [await _off_loop(state.chat.encode, job.rendered, offload)]
+        stamps.mark("tokenized")
     else:
         stamps.templated = stamps.parsed
         job.prompts = [await _tokenize(state, p) for p in body.prompts]
@@ -136,9 +154,9 @@ async def _prepare(request: Request, model: type[BaseModel], endpoint: str) -> J
     return job
 
 
-async def _off_loop(fn: Callable[..., Any], arg: Any, size: int) -> Any:
+async def _off_loop(fn: Callable[..., Any], arg: Any, offload: bool) -> Any:
     try:
-        if size > THREAD_THRESHOLD_CHARS:
+        if offload:
             return await run_in_threadpool(fn, arg)
         return fn(arg)
     except (ValueError, TypeError) as exc:
@@ -159,7 +177,8 @@ async def _tokenize(state: ServerState, prompt: str | list[int]) -> list[int]:
         raise bad_request("the prompt is empty", "prompt")
     if state.loaded.tokenizer is None:
         raise bad_request("this model has no tokenizer: send token ids", "prompt")
-    return await _off_loop(state.loaded.tokenizer.encode, prompt, len(prompt))
+    return await _off_loop(state.loaded.tokenizer.encode, prompt,
+                           len(prompt) > THREAD_THRESHOLD_CHARS)
 
 
 def _check_prompts(state: ServerState, prompts: list[list[int]], param: str) -> None:
@@ -197,7 +216,7 @@ def _make_choices(job: Job) -> None:
             index = p * body.n + i
             choice = Choice(index, f"{job.response_id}-{index}", ids, params)
             if job.is_chat:
-                choice.state = state.chat.parser(body)
+                choice.state = state.chat.parser(body, job.rendered)
             job.choices.append(choice)
 
 
@@ -206,6 +225,7 @@ async def _respond(request: Request, job: Job, stream: ChatStream | CompletionSt
     job.generation = Generation(state.require_engine(), state.admission, job.choices,
                                 job.stamps.arrival)
     job.generation.start()
+    job.start_anatomy()
     request.state.accounted = True
     if job.body.stream:
         return StreamingResponse(stream.events(), media_type="text/event-stream",
@@ -222,6 +242,7 @@ async def _respond(request: Request, job: Job, stream: ChatStream | CompletionSt
         raise error from None
     finally:
         watcher.cancel()
+    await job.finish_anatomy()
     body = stream.full_response()
     job.stamps.mark("last_byte")
     record = job.record()
@@ -282,6 +303,7 @@ class _Stream:
                     continue
                 with job.stamps.writing():
                     yield sse(item)
+            await job.finish_anatomy()
             for item in self._closing(tail):
                 with job.stamps.writing():
                     yield sse(item)
@@ -335,15 +357,13 @@ class ChatStream(_Stream):
     def absorb(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
         parser = choice.state
         delta = parser.feed(out.new_text)
-        reasoning_now = parser.in_reasoning or (delta.reasoning and not delta.content)
-        if reasoning_now:
+        if parser.in_reasoning or (delta.reasoning and not delta.content):
             self.job.reasoning_tokens += len(out.new_token_ids)
-        elif self.job.first_answer is None and out.new_token_ids:
-            self.job.first_answer = out.request.timeline.token_times[-1]
+        elif self.job.reasoning_tokens and (delta.content.strip() or delta.tool_calls):
+            self._first_answer(out)
         finish = None
         if out.finished:
-            tail = parser.finish()
-            delta = _merge(delta, tail)
+            delta = delta + parser.finish()
             finish = "tool_calls" if parser.saw_tool_calls else choice.finish_reason
             choice.finish_reason = finish
         self._remember(choice.index, delta)
@@ -354,6 +374,12 @@ class ChatStream(_Stream):
             return None
         return self.chunk([{"index": choice.index, "delta": body, "logprobs": logprobs,
                             "finish_reason": finish}])
+
+    def _first_answer(self, out: RequestOutput) -> None:
+        """The first token after a reasoning section that shows the user something."""
+        at = out.request.timeline.token_times[-1]
+        if self.job.first_answer is None or at < self.job.first_answer:
+            self.job.first_answer = at
 
     def _remember(self, index: int, delta: Delta) -> None:
         msg = self.messages[index]
@@ -401,8 +427,6 @@ class CompletionStream(_Stream):
         self.offsets = {c.index: 0 for c in job.choices}
 
     def absorb(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
-        if self.job.first_answer is None and out.new_token_ids:
-            self.job.first_answer = out.request.timeline.token_times[-1]
         logprobs = None
         if choice.params.logprobs is not None:
             logprobs = self.job.state.token_text.completion_logprobs(
@@ -423,10 +447,6 @@ class CompletionStream(_Stream):
         return {"id": self.job.response_id, "object": "text_completion",
                 "created": self.job.created, "model": self.job.state.model_id,
                 "choices": choices, "usage": self.job.usage()}
-
-
-def _merge(a: Delta, b: Delta) -> Delta:
-    return Delta(a.content + b.content, a.reasoning + b.reasoning, a.tool_calls + b.tool_calls)
 
 
 def _collapse_tool_calls(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:

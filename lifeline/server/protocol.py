@@ -6,6 +6,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from lifeline.engine.sampling_params import SamplingParams
+from lifeline.server.errors import ParamError
 
 MAX_LOGPROBS = 20
 
@@ -45,14 +46,15 @@ class _SamplingBody(_Body):
     @model_validator(mode="after")
     def _check_common(self) -> _SamplingBody:
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+            raise ParamError("stream_options is only allowed when stream is true", "stream_options")
         if isinstance(self.stop, list) and len(self.stop) > 16:
-            raise ValueError("stop may hold at most 16 strings")
+            raise ParamError("stop may hold at most 16 strings", "stop")
         for key, value in (self.logit_bias or {}).items():
             if not key.lstrip("-").isdigit():
-                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+                raise ParamError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
             if not -100 <= value <= 100:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {value}")
+                raise ParamError(f"logit_bias values must be in [-100, 100], got {value}",
+                                 "logit_bias")
         return self
 
     @property
@@ -100,16 +102,18 @@ class ChatCompletionRequest(_SamplingBody):
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.tool_choice not in (None, "none") and not self.tools:
-            raise ValueError("tool_choice needs tools")
+            raise ParamError("tool_choice needs tools", "tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs to be true")
+            raise ParamError("top_logprobs needs logprobs to be true", "top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message and add_generation_prompt exclude each "
-                             "other; set add_generation_prompt to false")
+            raise ParamError("continue_final_message and add_generation_prompt exclude each "
+                             "other; set add_generation_prompt to false",
+                             "continue_final_message")
         for tool in self.tools or []:
             if tool.get("type", "function") != "function" or not isinstance(
                     tool.get("function"), dict) or "name" not in tool["function"]:
-                raise ValueError("each tool must be {'type': 'function', 'function': {name, ...}}")
+                raise ParamError("each tool must be {'type': 'function', 'function': "
+                                 "{name, ...}}", "tools")
         return self
 
     @property
@@ -131,11 +135,11 @@ class CompletionRequest(_SamplingBody):
     @model_validator(mode="after")
     def _check_prompt(self) -> CompletionRequest:
         if isinstance(self.prompt, list) and not self.prompt:
-            raise ValueError("prompt may not be an empty list")
+            raise ParamError("prompt may not be an empty list", "prompt")
         if self.suffix:
-            raise ValueError("suffix is not supported")
+            raise ParamError("suffix is not supported", "suffix")
         if self.echo:
-            raise ValueError("echo is not supported")
+            raise ParamError("echo is not supported", "echo")
         return self
 
     @property
@@ -160,7 +164,7 @@ class TokenizeRequest(_Body):
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt and messages")
+            raise ParamError("give exactly one of prompt and messages", "prompt")
         return self
 
 
