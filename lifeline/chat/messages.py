@@ -1,0 +1,153 @@
+"""OpenAI-style chat inputs checked and reduced to the plain data chat templates expect.
+
+- Roles: system, developer (rendered as system), user, assistant, tool.
+- Content: a string, or a list of `{"type": "text", "text": ...}` parts joined with "\\n" (as vLLM
+  does); other part types are refused for now. `null` content is allowed only for an assistant
+  message that carries `tool_calls`.
+- An assistant's `tool_calls[].function.arguments` arrive as a JSON string (OpenAI) and are
+  handed to the template as a dict (Hugging Face templates call `tojson` on them).
+- A message's reasoning, sent as `reasoning_content` or `reasoning`, is passed as
+  `reasoning_content`."""
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from lifeline.chat.errors import ChatError
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+RESERVED_KWARGS = frozenset({"messages", "tools", "tool_choice", "add_generation_prompt",
+                             "bos_token", "eos_token", "documents"})
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    if not isinstance(messages, list) or not messages:
+        raise ChatError("'messages' must be a non-empty list")
+    return [_message(i, m) for i, m in enumerate(messages)]
+
+
+def _message(i: int, message: Any) -> dict[str, Any]:
+    where = f"messages[{i}]"
+    if not isinstance(message, Mapping):
+        raise ChatError(f"{where} must be an object")
+    role = message.get("role")
+    if role not in ROLES:
+        raise ChatError(f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}")
+    out: dict[str, Any] = {"role": "system" if role == "developer" else role}
+    content = message.get("content")
+    tool_calls = message.get("tool_calls") if role == "assistant" else None
+    if content is not None:
+        out["content"] = _content(where, content)
+    elif not tool_calls:
+        raise ChatError(f"{where}.content is required for a {role} message")
+    if tool_calls:
+        out["tool_calls"] = _tool_calls(where, tool_calls)
+    reasoning = message.get("reasoning_content", message.get("reasoning"))
+    if role == "assistant" and reasoning is not None:
+        out["reasoning_content"] = _string(f"{where}.reasoning_content", reasoning)
+    for key in ("name", "tool_call_id"):
+        if message.get(key) is not None:
+            out[key] = _string(f"{where}.{key}", message[key])
+    return out
+
+
+def _content(where: str, content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ChatError(f"{where}.content must be a string or a list of parts")
+    texts = []
+    for j, part in enumerate(content):
+        if not isinstance(part, Mapping) or part.get("type") != "text":
+            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+            raise ChatError(f"{where}.content[{j}]: part type {kind!r} is not supported "
+                            "(only 'text')")
+        texts.append(_string(f"{where}.content[{j}].text", part.get("text")))
+    return "\n".join(texts)
+
+
+def _tool_calls(where: str, calls: Any) -> list[dict[str, Any]]:
+    if not isinstance(calls, list):
+        raise ChatError(f"{where}.tool_calls must be a list")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if not isinstance(function, Mapping):
+            raise ChatError(f"{at}.function must be an object")
+        name = _string(f"{at}.function.name", function.get("name"))
+        entry = {"type": "function",
+                 "function": {"name": name, "arguments": _arguments(at, function.get("arguments"))}}
+        if call.get("id") is not None:
+            entry["id"] = _string(f"{at}.id", call["id"])
+        out.append(entry)
+    return out
+
+
+def _arguments(at: str, arguments: Any) -> dict[str, Any]:
+    if arguments is None or arguments == "":
+        return {}
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            raise ChatError(f"{at}.function.arguments is not valid JSON") from None
+    if not isinstance(arguments, dict):
+        raise ChatError(f"{at}.function.arguments must be a JSON object")
+    return arguments
+
+
+def _string(where: str, value: Any) -> str:
+    if not isinstance(value, str):
+        raise ChatError(f"{where} must be a string")
+    return value
+
+
+def normalize_tools(tools: Any) -> list[dict[str, Any]] | None:
+    """`None` for no tools (an empty list included)."""
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise ChatError("'tools' must be a list", param="tools")
+    out = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, Mapping) else None
+        if not isinstance(function, Mapping) or tool.get("type", "function") != "function":
+            raise ChatError(f"tools[{i}] must be {{'type': 'function', 'function': {{...}}}}",
+                            param="tools")
+        if not isinstance(function.get("name"), str) or not function["name"]:
+            raise ChatError(f"tools[{i}].function.name must be a non-empty string", param="tools")
+        if not isinstance(function.get("parameters", {}), Mapping):
+            raise ChatError(f"tools[{i}].function.parameters must be an object", param="tools")
+        out.append({"type": "function", "function": dict(function)})
+    return out or None
+
+
+def check_tool_choice(tool_choice: Any, tools: list[dict[str, Any]] | None) -> None:
+    if tool_choice is None:
+        return
+    if tools is None:
+        raise ChatError("'tool_choice' requires 'tools'", param="tool_choice")
+    if tool_choice in ("none", "auto", "required"):
+        return
+    function = tool_choice.get("function") if isinstance(tool_choice, Mapping) else None
+    name = function.get("name") if isinstance(function, Mapping) else None
+    if not isinstance(name, str):
+        raise ChatError("'tool_choice' must be 'none', 'auto', 'required' or "
+                        "{'type': 'function', 'function': {'name': ...}}", param="tool_choice")
+    if name not in {t["function"]["name"] for t in tools}:
+        raise ChatError(f"'tool_choice' names {name!r}, which is not among the tools",
+                        param="tool_choice")
+
+
+def check_template_kwargs(kwargs: Any) -> dict[str, Any]:
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+        raise ChatError("'chat_template_kwargs' must be an object", param="chat_template_kwargs")
+    reserved = sorted(RESERVED_KWARGS.intersection(kwargs))
+    if reserved:
+        raise ChatError(f"'chat_template_kwargs' may not set {', '.join(reserved)}",
+                        param="chat_template_kwargs")
+    return dict(kwargs)

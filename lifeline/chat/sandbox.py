@@ -1,0 +1,216 @@
+"""Jinja2's immutable sandbox, set up as Hugging Face sets it up for chat templates, with a hard
+render budget.
+
+Every `for` loop iterates through a counting wrapper, every output (into buffers too) is counted
+and measured, every call, filter and size-changing operator ticks the budget, and the deadline
+is checked as the budget ticks. A tight loop such as ``{% for i in range(10**9) %}`` therefore
+stops by itself: no thread or process has to be killed."""
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Iterable, Iterator
+from datetime import datetime
+from typing import Any, ClassVar
+
+import jinja2
+from jinja2 import nodes
+from jinja2.ext import Extension, loopcontrols
+from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
+from jinja2.visitor import NodeTransformer
+
+from lifeline.chat import guards
+from lifeline.chat.errors import ChatError, TemplateTimeout
+from lifeline.chat.guards import RenderLimits
+
+_ITER, _EMIT, _SIZED = "_lifeline_iter", "_lifeline_emit", "_lifeline_sized"
+
+
+class TemplateRaised(jinja2.TemplateError):
+    """`raise_exception(...)` called by the template: the template rejects the messages."""
+
+
+class _GenerationTag(Extension):
+    """`{% generation %}…{% endgeneration %}` marks assistant text for training masks; the
+    prompt is the body, unchanged."""
+
+    tags: ClassVar[set[str]] = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.Scope(body, lineno=lineno)
+
+
+class _Instrument(NodeTransformer):
+    """Routes loop iterables, outputs and `~` concatenations through the budget filters."""
+
+    def visit_For(self, node: nodes.For) -> nodes.Node:
+        self.generic_visit(node)
+        node.iter = _wrap(node.iter, _ITER)
+        return node
+
+    def visit_Output(self, node: nodes.Output) -> nodes.Node:
+        self.generic_visit(node)
+        node.nodes = [_wrap(child, _EMIT) for child in node.nodes]
+        return node
+
+    def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
+        self.generic_visit(node)
+        return _wrap(node, _SIZED)
+
+
+def _wrap(node: nodes.Expr, name: str) -> nodes.Filter:
+    return nodes.Filter(node, name, [], [], None, None, lineno=node.lineno)
+
+
+@jinja2.pass_context
+def _iterate(context: Any, iterable: Iterable[Any]) -> Iterator[Any]:
+    budget = guards.current_budget()
+    for item in iterable:
+        budget.tick()
+        yield item
+
+
+@jinja2.pass_context
+def _emit(context: Any, value: Any) -> str:
+    return guards.current_budget().emit(value if isinstance(value, str) else str(value))
+
+
+@jinja2.pass_context
+def _sized(context: Any, value: Any) -> Any:
+    budget = guards.current_budget()
+    budget.tick()
+    return budget.check_result(value)
+
+
+def _guard_filter(name: str, func: Any) -> Any:
+    offset = 2 if getattr(func, "jinja_pass_arg", None) is not None else 1
+    precheck = guards.FILTER_CHECKS.get(name)
+
+    @functools.wraps(func)
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        budget = guards.current_budget()
+        budget.tick()
+        budget.check_ints([*args[offset:], *kwargs.values()])
+        if precheck is not None:
+            precheck(budget, *args[offset - 1:], **kwargs)
+        return budget.check_result(func(*args, **kwargs))
+
+    return guarded
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateRaised(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent,
+                      separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """`namespace(...)` that refuses underscore names, as Hugging Face's does."""
+
+    def __init__(*args: Any, **kwargs: Any):
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _check_public(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _check_public(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+
+class _TemplateDict:
+    """`dict(...)` without access to the `dict` type itself."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> dict[Any, Any]:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args: Any) -> dict[Any, Any]:
+        return dict.fromkeys(*args)
+
+
+def _check_public(name: Any) -> None:
+    if isinstance(name, str) and name.startswith("_"):
+        raise SecurityError(f"namespace attribute {name!r} may not start with '_'")
+
+
+class BoundedSandbox(ImmutableSandboxedEnvironment):
+    """Hugging Face's chat-template environment, with every operation on a budget."""
+
+    intercepted_binops = frozenset({"*", "**", "%", "+"})
+
+    def __init__(self) -> None:
+        super().__init__(trim_blocks=True, lstrip_blocks=True,
+                         extensions=[loopcontrols, _GenerationTag])
+        self.filters["tojson"] = _tojson
+        self.filters = {name: _guard_filter(name, f) for name, f in self.filters.items()}
+        self.filters.update({_ITER: _iterate, _EMIT: _emit, _SIZED: _sized})
+        self.globals.update(range=guards.bounded_range, raise_exception=_raise_exception,
+                            strftime_now=_strftime_now, namespace=_Namespace, dict=_TemplateDict())
+
+    def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
+        tree = _Instrument().visit(super()._parse(source, name, filename))
+        tree.set_environment(self)
+        return tree
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        budget = guards.current_budget()
+        budget.tick()
+        guards.check_binop(budget, operator, left, right)
+        return budget.check_result(super().call_binop(context, operator, left, right))
+
+    def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
+        budget = guards.current_budget()
+        budget.tick()
+        target = getattr(obj, "__wrapped__", obj)
+        owner = getattr(target, "__self__", None)
+        if isinstance(owner, str):
+            guards.check_str_method(budget, owner, getattr(target, "__name__", ""), args, kwargs)
+        return budget.check_result(super().call(context, obj, *args, **kwargs))
+
+
+_ENV = BoundedSandbox()
+
+
+@functools.lru_cache(maxsize=64)
+def compile_template(source: str) -> jinja2.Template:
+    """The compiled template; a syntax error is a `ChatError` on `chat_template`."""
+    try:
+        return _ENV.from_string(source)
+    except jinja2.TemplateSyntaxError as exc:
+        raise ChatError(f"chat template syntax error (line {exc.lineno}): {exc.message}",
+                        param="chat_template") from None
+    except (RecursionError, MemoryError):
+        raise ChatError("chat template is too deeply nested", param="chat_template") from None
+
+
+def render_bounded(template: jinja2.Template, context: dict[str, Any],
+                   limits: RenderLimits) -> str:
+    """Render within `limits`; every failure is a `ChatError` (a `TemplateTimeout` when a limit
+    was hit)."""
+    _, token = guards.start_budget(limits)
+    try:
+        return template.render(context)
+    except ChatError:
+        raise
+    except TemplateRaised as exc:
+        raise ChatError(f"chat template rejected the messages: {exc.message}") from None
+    except SecurityError as exc:
+        raise ChatError(f"chat template blocked by the sandbox: {exc}",
+                        param="chat_template") from None
+    except (RecursionError, MemoryError) as exc:
+        raise TemplateTimeout(f"chat template stopped: {type(exc).__name__}") from None
+    except Exception as exc:  # noqa: BLE001 - any failure of a template is the request's 400
+        raise ChatError(f"chat template failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        guards.end_budget(token)
