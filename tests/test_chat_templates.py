@@ -271,6 +271,8 @@ RUNAWAYS = {
                            "x{% endfor %}{% endfor %}{% endset %}",
     "string doubling": "{% set ns = namespace(s='x') %}{% for i in range(64) %}"
                        "{% set ns.s = ns.s ~ ns.s %}{% endfor %}",
+    "list doubling": "{% set ns = namespace(l=[1]) %}{% for i in range(64) %}"
+                     "{% set ns.l = ns.l + ns.l %}{% endfor %}",
     "huge repeat": "{{ 'x' * 10**12 }}",
     "huge power": "{{ 10 ** (10 ** 10) }}",
     "huge padding": "{{ 'x'.center(10**12) }}{{ 'x'|center(10**12) }}",
@@ -296,6 +298,15 @@ def test_the_deadline_stops_a_loop_the_operation_count_would_allow():
     with pytest.raises(TemplateTimeout, match="0.3 s"):
         template.render([USER])
     assert time.monotonic() - began < 1.5
+
+
+def test_the_deadline_is_checked_between_slow_operations():
+    template = ChatTemplate("{% for i in range(1000) %}{{ ((range(100000)|list) * 10)|sort"
+                            "|length }}{% endfor %}", "request", limits=RenderLimits(timeout_s=0.3))
+    began = time.monotonic()
+    with pytest.raises(TemplateTimeout, match="0.3 s"):
+        template.render([USER])
+    assert time.monotonic() - began < 2
 
 
 def test_limits_leave_ordinary_templates_alone():

@@ -28,11 +28,14 @@ class RenderLimits:
     max_operations: int = 2_000_000
     """Loop iterations, calls, filters and outputs one render may perform."""
     max_output_chars: int = 8_000_000
-    """Characters one render may emit in all (into buffers too), and the largest string or
-    container one operation may build."""
+    """Characters one render may emit in all (into buffers too), and the longest string one
+    operation may build."""
+    max_items: int = 1_000_000
+    """The most items a list, tuple, dict or set built by one operation may hold."""
 
     def __post_init__(self) -> None:
-        if not self.timeout_s > 0 or self.max_operations < 1 or self.max_output_chars < 1:
+        if not (self.timeout_s > 0 and min(self.max_operations, self.max_output_chars,
+                                           self.max_items) > 0):
             raise ValueError("render limits must be positive")
 
 
@@ -52,7 +55,7 @@ class Budget:
         if self.operations > self.limits.max_operations:
             raise TemplateTimeout(
                 f"chat template stopped after {self.limits.max_operations} operations")
-        if not self.operations & 0xFF and time.monotonic() > self.deadline:
+        if time.monotonic() > self.deadline:
             raise TemplateTimeout(f"chat template stopped after {self.limits.timeout_s:g} s")
 
     def emit(self, text: str) -> str:
@@ -63,10 +66,11 @@ class Budget:
                 f"chat template output exceeds {self.limits.max_output_chars} characters")
         return text
 
-    def check_size(self, size: int, what: str = "value") -> None:
-        if size > self.limits.max_output_chars:
-            raise TemplateTimeout(f"chat template would build a {what} of {size} items "
-                                  f"(limit {self.limits.max_output_chars})")
+    def check_size(self, size: int, what: str = "str") -> None:
+        limit = self.limits.max_output_chars if what in ("str", "bytes") else self.limits.max_items
+        if size > limit:
+            raise TemplateTimeout(f"chat template would build a {what} of size {size} "
+                                  f"(limit {limit})")
 
     def check_result(self, value: Any) -> Any:
         if isinstance(value, (str, bytes, list, tuple, dict, set, frozenset)):
