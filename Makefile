@@ -1,7 +1,7 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
-PROMPT ?= The capital of France is
+SERVE_ARGS ?=
 
 .PHONY: install test serve clean
 
@@ -18,7 +18,7 @@ test: install
 	$(PY) -m pytest -q tests
 
 serve: install
-	$(VENV)/bin/lifeline generate "$(PROMPT)" --max-tokens 48
+	$(VENV)/bin/lifeline serve $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

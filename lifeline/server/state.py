@@ -97,9 +97,9 @@ class ServerState:
                            f"{self.model_id!r}", "model", "model_not_found")
 
     def account(self, record: RequestRecord) -> None:
-        """One finished request: Prometheus, the access log, a trace."""
-        if record.status == 200 and self.engine is not None:
-            self.metrics.observe(record)
+        """One request that reached the engine (finished, aborted or failed): Prometheus, the
+        access log, a trace."""
+        self.metrics.observe(record)
         self.access_log.write(record)
         self.tracer.emit(record)
 
