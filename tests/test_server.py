@@ -84,8 +84,8 @@ def test_completion_matches_the_offline_engine(loaded, client):
 
 
 def test_streamed_completion_equals_the_whole_one_and_ends_with_usage_and_timings(client):
-    kwargs = dict(model=MODEL, prompt="Once upon a time", max_tokens=10, temperature=0,
-                  extra_body={"ignore_eos": True})
+    kwargs = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 10, "temperature": 0,
+              "extra_body": {"ignore_eos": True}}
     whole = client.completions.create(**kwargs)
     start = time.perf_counter()
     chunks = list(client.completions.create(stream=True,
@@ -261,8 +261,8 @@ CHAT = [{"role": "system", "content": "You answer in one short sentence."},
 
 
 def test_chat_completion_and_its_stream_agree_and_report_prompt_anatomy(client):
-    kwargs = dict(model=MODEL, messages=CHAT, max_completion_tokens=8, temperature=0,
-                  extra_body={"ignore_eos": True})
+    kwargs = {"model": MODEL, "messages": CHAT, "max_completion_tokens": 8, "temperature": 0,
+              "extra_body": {"ignore_eos": True}}
     start = time.perf_counter()
     whole = client.chat.completions.create(**kwargs)
     e2e = time.perf_counter() - start
@@ -338,3 +338,31 @@ def test_bad_chat_requests_get_openai_errors_and_the_server_stays_up(http, name,
         assert (error["param"] or "").startswith(param), error
     ok = http.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1})
     assert ok.status_code == 200
+
+
+def test_one_access_log_line_one_trace_and_metrics_per_request(server, client, caplog):
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    from lifeline.observe import Tracer
+
+    exporter = InMemorySpanExporter()
+    previous, server.state.tracer = server.state.tracer, Tracer(exporter)
+    try:
+        with caplog.at_level("INFO", logger="lifeline.access"):
+            out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3)
+            with pytest.raises(openai.BadRequestError):
+                client.completions.create(model=MODEL, prompt="Hello", max_tokens=-1)
+    finally:
+        server.state.tracer = previous
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "lifeline.access"]
+    assert [(line["endpoint"], line["status"]) for line in lines] == [
+        ("/v1/completions", 200), ("/v1/completions", 400)]
+    assert lines[0]["request_id"] == out.id
+    assert lines[0]["timings"]["e2e_ms"] == _extra(out, "timings")["e2e_ms"]
+    spans = exporter.get_finished_spans()
+    parent = next(s for s in spans if s.name == "request")
+    assert parent.attributes["lifeline.request_id"] == out.id
+    children = [s.name for s in spans if s.parent is not None and
+                s.parent.span_id == parent.context.span_id]
+    assert children == list(STAGES)
+

@@ -30,7 +30,7 @@ def _server(loaded, **kwargs) -> ServerThread:
 
 
 def _kv_usage(metrics_text: str) -> float:
-    match = re.search(r"^lifeline:kv_cache_usage_perc\{[^}]*\} (\S+)$", metrics_text, re.M)
+    match = re.search(r"^lifeline:kv_cache_usage_perc\{[^}]*\} (\S+)$", metrics_text, re.MULTILINE)
     assert match, "no kv usage gauge"
     return float(match.group(1))
 
@@ -61,11 +61,11 @@ def test_api_keys_guard_every_route_but_health_ready_and_metrics(loaded):
 
 
 def test_protect_metrics_requires_a_key_for_metrics(loaded):
-    with _server(loaded, api_keys=["k"], protect_metrics=True) as srv:
-        with httpx.Client(base_url=srv.base_url, timeout=30) as http:
-            assert http.get("/metrics").status_code == 401
-            assert http.get("/metrics", headers={"Authorization": "Bearer k"}).status_code == 200
-            assert http.get("/health").status_code == 200
+    with _server(loaded, api_keys=["k"], protect_metrics=True) as srv, \
+            httpx.Client(base_url=srv.base_url, timeout=30) as http:
+        assert http.get("/metrics").status_code == 401
+        assert http.get("/metrics", headers={"Authorization": "Bearer k"}).status_code == 200
+        assert http.get("/health").status_code == 200
 
 
 def test_requests_per_minute_limit_gives_429_with_retry_after(loaded):
@@ -87,38 +87,38 @@ def test_requests_per_minute_limit_gives_429_with_retry_after(loaded):
 
 
 def test_tokens_per_minute_limit_counts_prompt_and_completion_tokens(loaded):
-    with _server(loaded, rate_limit_tpm=40) as srv:
-        with httpx.Client(base_url=srv.base_url, timeout=60) as http:
-            first = http.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 40,
-                                                       "ignore_eos": True})
-            assert first.status_code == 200, "admitted: its 3 prompt tokens fit"
-            assert first.json()["usage"]["total_tokens"] == 43
-            r = http.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 1})
-            assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+    with _server(loaded, rate_limit_tpm=40) as srv, \
+            httpx.Client(base_url=srv.base_url, timeout=60) as http:
+        first = http.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 40,
+                                                   "ignore_eos": True})
+        assert first.status_code == 200, "admitted: its 3 prompt tokens fit"
+        assert first.json()["usage"]["total_tokens"] == 43
+        r = http.post("/v1/completions", json={"prompt": "Hello there", "max_tokens": 1})
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
 
 
 def test_full_waiting_queue_gives_503_with_retry_after_not_a_hang(loaded):
     engine = EngineConfig(kv_cache_memory_bytes=SMALL_KV, max_num_seqs=1)
     with _server(loaded, engine=engine, max_queued_requests=1) as srv:
         async def scenario():
-            async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as http:
-                async with http.stream("POST", "/v1/completions",
-                                       json={**LONG, "stream": True}) as running:
-                    lines = running.aiter_lines()
-                    while not (await anext(lines)).startswith("data:"):
-                        pass
-                    waiting = asyncio.create_task(http.post("/v1/completions", json=LONG))
-                    for _ in range(200):
-                        if srv.state.admission.waiting >= 1:
-                            break
-                        await asyncio.sleep(0.02)
-                    assert srv.state.admission.waiting == 1
-                    start = time.perf_counter()
-                    refused = await http.post("/v1/completions",
-                                              json={"prompt": "Hi", "max_tokens": 1})
-                    assert time.perf_counter() - start < 5
-                    waiting.cancel()
-                    return refused
+            async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as http, \
+                    http.stream("POST", "/v1/completions",
+                                json={**LONG, "stream": True}) as running:
+                lines = running.aiter_lines()
+                while not (await anext(lines)).startswith("data:"):
+                    pass
+                waiting = asyncio.create_task(http.post("/v1/completions", json=LONG))
+                for _ in range(200):
+                    if srv.state.admission.waiting >= 1:
+                        break
+                    await asyncio.sleep(0.02)
+                assert srv.state.admission.waiting == 1
+                start = time.perf_counter()
+                refused = await http.post("/v1/completions",
+                                          json={"prompt": "Hi", "max_tokens": 1})
+                assert time.perf_counter() - start < 5
+                waiting.cancel()
+                return refused
 
         refused = asyncio.run(asyncio.wait_for(scenario(), 120))
         assert refused.status_code == 503
@@ -199,3 +199,27 @@ def test_client_disconnect_mid_stream_aborts_and_frees_kv_blocks(loaded):
             assert _kv_usage(http.get("/metrics").text) == 0.0
             assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}
                              ).status_code == 200
+
+
+def test_a_runaway_request_template_is_stopped_with_400_and_health_stays_fast(loaded):
+    with _server(loaded, allow_request_chat_template=True) as srv:
+        async def scenario():
+            async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as http:
+                runaway = asyncio.create_task(http.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "hi"}],
+                    "chat_template": "{% for i in range(10**9) %}x{% endfor %}"}))
+                latencies = []
+                while not runaway.done():
+                    start = time.perf_counter()
+                    assert (await http.get("/health")).status_code == 200
+                    latencies.append(time.perf_counter() - start)
+                    await asyncio.sleep(0.05)
+                return await runaway, latencies
+
+        r, latencies = asyncio.run(asyncio.wait_for(scenario(), 120))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "chat_template"
+        assert not latencies or max(latencies) < 2.0
+        own = httpx.post(srv.base_url + "/v1/chat/completions", timeout=60, json={
+            "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+            "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"})
+        assert own.status_code == 200 and own.json()["usage"]["prompt_tokens"] >= 1

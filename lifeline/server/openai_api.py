@@ -235,7 +235,7 @@ async def _respond(request: Request, job: Job, stream: ChatStream | CompletionSt
     try:
         async for choice, out in job.generation.outputs():
             stream.absorb(choice, out)
-    except Exception as exc:
+    except Exception as exc:  # noqa: BLE001 - every failure becomes an OpenAI error
         job.stamps.mark("last_byte")
         error = _as_api_error(exc)
         job.account(job.record(error.status))

@@ -25,7 +25,7 @@ class DrainingServer(uvicorn.Server):
         self._loop: asyncio.AbstractEventLoop | None = None
         self._draining = False
 
-    async def startup(self, sockets=None) -> None:  # noqa: ANN001 - uvicorn's signature
+    async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
 

