@@ -356,10 +356,11 @@ class ChatStream(_Stream):
 
     def absorb(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
         parser = choice.state
+        was_reasoning = parser.in_reasoning
         delta = parser.feed(out.new_text)
-        if parser.in_reasoning or (delta.reasoning and not delta.content):
-            self.job.reasoning_tokens += len(out.new_token_ids)
-        elif self.job.reasoning_tokens and (delta.content.strip() or delta.tool_calls):
+        if was_reasoning or parser.in_reasoning or delta.reasoning:
+            self.job.reasoning_tokens += len(out.new_token_ids)  # the tags count as reasoning
+        elif self.job.reasoning_tokens:
             self._first_answer(out)
         finish = None
         if out.finished:
@@ -376,7 +377,7 @@ class ChatStream(_Stream):
                             "finish_reason": finish}])
 
     def _first_answer(self, out: RequestOutput) -> None:
-        """The first token after a reasoning section that shows the user something."""
+        """The first token after a reasoning section (of any choice)."""
         at = out.request.timeline.token_times[-1]
         if self.job.first_answer is None or at < self.job.first_answer:
             self.job.first_answer = at
