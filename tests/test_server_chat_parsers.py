@@ -51,10 +51,8 @@ def _successor_model(tokenizer: HFTokenizer, source: str) -> LoadedModel:
                       num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=32,
                       max_position=256, name="successor")
     model = build_model(cfg)
-    tensors = {name: torch.zeros(p.shape) for name, p in model.named_parameters()}
-    for name in tensors:
-        if name.endswith("norm.weight"):
-            tensors[name] = torch.ones(tensors[name].shape)
+    tensors = {name: (torch.ones if name.endswith("norm.weight") else torch.zeros)(p.shape)
+               for name, p in model.named_parameters()}
     tensors["embed_tokens.weight"] = torch.eye(vocab, hidden)
     head = tensors["lm_head.weight"]
     ids = tokenizer._tk.token_to_id
