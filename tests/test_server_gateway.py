@@ -196,7 +196,10 @@ def test_client_disconnect_mid_stream_aborts_and_frees_kv_blocks(loaded):
                     break
                 time.sleep(0.05)
             assert engine.block_manager.num_free_blocks == total
-            assert _kv_usage(http.get("/metrics").text) == 0.0
+            metrics = http.get("/metrics").text
+            assert _kv_usage(metrics) == 0.0
+            assert re.search(r'^lifeline:request_success_total\{[^}]*finished_reason="abort"'
+                             r'[^}]*\} 1\.0$', metrics, re.MULTILINE), "the abort was accounted"
             assert http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1}
                              ).status_code == 200
 

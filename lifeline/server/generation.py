@@ -82,12 +82,18 @@ class Generation:
                 else:
                     yield item
         finally:
-            await self.cancel()
+            self.cancel_nowait()
 
-    async def cancel(self) -> None:
+    def cancel_nowait(self) -> list[asyncio.Task]:
+        """Cancel every choice still running (usable where awaiting is not, e.g. in a stream
+        that is itself being cancelled); each one aborts its engine request."""
         pending = [t for t in self._tasks if not t.done()]
         for task in pending:
             task.cancel()
+        return pending
+
+    async def cancel(self) -> None:
+        pending = self.cancel_nowait()
         if pending:
             await asyncio.wait(pending, timeout=5)
 

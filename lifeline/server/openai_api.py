@@ -318,7 +318,7 @@ class _Stream:
             yield sse({"error": {"message": error.message, "type": "server_error",
                                  "param": None, "code": error.code}})
         finally:
-            await job.generation.cancel()
+            job.generation.cancel_nowait()  # no await: this may run inside a cancelled scope
             if not job.accounted:
                 if job.stamps.last_byte is None:
                     job.stamps.mark("last_byte")
