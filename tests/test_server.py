@@ -193,6 +193,8 @@ BAD_REQUESTS = [
     ("wrong type", {"prompt": {"a": 1}}, 400, "prompt"),
     ("logit_bias outside vocabulary", {"prompt": "x", "logit_bias": {"99999999": 1}}, 400,
      "logit_bias"),
+    ("stop_token_ids outside vocabulary", {"prompt": "x", "stream": True,
+                                           "stop_token_ids": [-1]}, 400, "stop_token_ids"),
 ]
 
 
@@ -366,3 +368,14 @@ def test_one_access_log_line_one_trace_and_metrics_per_request(server, client, c
                 s.parent.span_id == parent.context.span_id]
     assert children == list(STAGES)
 
+
+
+def test_streamed_n_choices_interleave_and_each_finishes(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=CHAT, n=3, max_tokens=5, temperature=0.8, seed=1, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    finished = {c.choices[0].index: c.choices[0].finish_reason for c in chunks
+                if c.choices and c.choices[0].finish_reason}
+    assert finished == {0: "length", 1: "length", 2: "length"}
+    assert chunks[-1].usage.completion_tokens == 15
+    assert _extra(chunks[-1], "timings")["completion_tokens"] == 15

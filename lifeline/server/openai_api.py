@@ -45,14 +45,11 @@ class Job:
     reasoning_tokens: int = 0
     first_answer: float | None = None
     accounted: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
 
     @property
     def is_chat(self) -> bool:
         return isinstance(self.body, ChatCompletionRequest)
-
-    @property
-    def created(self) -> int:
-        return int(time.time())
 
     def record(self, status: int = 200) -> RequestRecord:
         timeline = combine_timelines([c.timeline for c in self.choices])
@@ -202,9 +199,12 @@ def _make_choices(job: Job) -> None:
     wanted = body.requested_max_tokens if job.is_chat else body.max_tokens
     num_logprobs = body.num_logprobs if job.is_chat else body.logprobs
     vocab = state.loaded.config.vocab_size
-    for ids in body.logit_bias or {}:
-        if not 0 <= int(ids) < vocab:
-            raise bad_request(f"logit_bias names token {ids}, outside the vocabulary", "logit_bias")
+    for name, ids in (("logit_bias", body.logit_bias or {}),
+                      ("stop_token_ids", body.stop_token_ids or [])):
+        bad = next((t for t in ids if not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise bad_request(f"{name} names token {bad}, outside the vocabulary (size {vocab})",
+                              name)
     for p, ids in enumerate(job.prompts):
         room = limit - len(ids)
         max_tokens = min(wanted, room) if wanted else room
@@ -262,6 +262,8 @@ async def _watch_disconnect(request: Request, generation: Generation) -> None:
 def _as_api_error(exc: BaseException) -> APIError:
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, Cancelled):
+        return APIError(499, "the client closed the request", None, "client_closed")
     if isinstance(exc, ValueError):
         return bad_request(str(exc))
     return APIError(500, f"generation failed: {exc!r}", None, "internal_error")
