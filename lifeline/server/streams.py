@@ -1,0 +1,209 @@
+"""Stage 10: the merged outputs of a job as SSE chunks or one JSON body, ending with the
+timings of the request."""
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+from lifeline.engine.engine import RequestOutput
+from lifeline.server.chat_frontend import Delta
+from lifeline.server.generation import Cancelled, Choice
+from lifeline.server.job import Job, as_api_error
+from lifeline.server.responses import sse
+
+
+class _Stream:
+    """Shared by both endpoints: walks the merged outputs, emits chunks, ends with timings."""
+
+    object_name = ""
+
+    def __init__(self, job: Job):
+        self.job = job
+
+    def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        return {"id": self.job.response_id, "object": self.object_name,
+                "created": self.job.created, "model": self.job.state.model_id,
+                "choices": choices, **extra}
+
+    def absorb(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def opening(self) -> list[dict[str, Any]]:
+        return []
+
+    async def events(self) -> AsyncIterator[str]:
+        job = self.job
+        status = 200
+        try:
+            for c in self.opening():
+                with job.stamps.writing():
+                    yield sse(c)
+            tail: list[dict[str, Any]] = []
+            async for choice, out in job.generation.outputs():
+                item = self.absorb(choice, out)
+                if item is None:
+                    continue
+                if job.generation.finished:
+                    tail.append(item)  # the last chunk carries the timings: hold it
+                    continue
+                with job.stamps.writing():
+                    yield sse(item)
+            await job.finish_anatomy()
+            for item in self._closing(tail):
+                with job.stamps.writing():
+                    yield sse(item)
+            with job.stamps.writing():
+                yield sse("[DONE]")
+        except (asyncio.CancelledError, Cancelled):
+            status = 499
+            raise
+        except Exception as exc:  # noqa: BLE001 - the stream has started: report in-band
+            error = as_api_error(exc)
+            status = error.status
+            yield sse({"error": {"message": error.message, "type": "server_error",
+                                 "param": None, "code": error.code}})
+        finally:
+            job.generation.cancel_nowait()  # no await: this may run inside a cancelled scope
+            if not job.accounted:
+                if job.stamps.last_byte is None:
+                    job.stamps.mark("last_byte")
+                job.account(job.record(status))
+
+    def _closing(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        job = self.job
+        job.stamps.mark("last_byte")
+        record = job.record()
+        job.account(record)
+        if job.body.include_usage:
+            items.append(self.chunk([], usage=job.usage(), timings=record.timings()))
+        elif items:
+            items[-1]["timings"] = record.timings()
+        else:
+            items.append(self.chunk([], timings=record.timings()))
+        return items
+
+    def full_response(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class ChatStream(_Stream):
+    object_name = "chat.completion.chunk"
+
+    def __init__(self, job: Job):
+        super().__init__(job)
+        self.messages: dict[int, dict[str, Any]] = {
+            c.index: {"content": "", "reasoning": "", "tool_calls": []} for c in job.choices}
+
+    def opening(self) -> list[dict[str, Any]]:
+        return [self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
+                             "logprobs": None, "finish_reason": None}])
+                for c in self.job.choices]
+
+    def absorb(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
+        parser = choice.state
+        was_reasoning = parser.in_reasoning
+        delta = parser.feed(out.new_text)
+        if was_reasoning or parser.in_reasoning or delta.reasoning:
+            self.job.reasoning_tokens += len(out.new_token_ids)  # the tags count as reasoning
+        elif self.job.reasoning_tokens:
+            self._first_answer(out)
+        finish = None
+        if out.finished:
+            delta = delta + parser.finish()
+            finish = "tool_calls" if parser.saw_tool_calls else choice.finish_reason
+            choice.finish_reason = finish
+        self._remember(choice.index, delta)
+        body = self._delta_body(delta)
+        logprobs = (self.job.state.token_text.chat_logprobs(out.new_logprobs)
+                    if choice.params.logprobs is not None else None)
+        if not body and finish is None and logprobs is None:
+            return None
+        return self.chunk([{"index": choice.index, "delta": body, "logprobs": logprobs,
+                            "finish_reason": finish}])
+
+    def _first_answer(self, out: RequestOutput) -> None:
+        """The first token after a reasoning section (of any choice)."""
+        at = out.request.timeline.token_times[-1]
+        if self.job.first_answer is None or at < self.job.first_answer:
+            self.job.first_answer = at
+
+    def _remember(self, index: int, delta: Delta) -> None:
+        msg = self.messages[index]
+        msg["content"] += delta.content
+        msg["reasoning"] += delta.reasoning
+        msg["tool_calls"].extend(delta.tool_calls)
+
+    @staticmethod
+    def _delta_body(delta: Delta) -> dict[str, Any]:
+        body: dict[str, Any] = {}
+        if delta.content:
+            body["content"] = delta.content
+        if delta.reasoning:
+            body["reasoning_content"] = body["reasoning"] = delta.reasoning
+        if delta.tool_calls:
+            body["tool_calls"] = delta.tool_calls
+        return body
+
+    def full_response(self) -> dict[str, Any]:
+        choices = []
+        token_text = self.job.state.token_text
+        for c in self.job.choices:
+            msg = self.messages[c.index]
+            message: dict[str, Any] = {"role": "assistant", "content": msg["content"] or None}
+            if msg["reasoning"]:
+                message["reasoning_content"] = message["reasoning"] = msg["reasoning"]
+            if msg["tool_calls"]:
+                message["tool_calls"] = _collapse_tool_calls(msg["tool_calls"])
+            elif message["content"] is None:
+                message["content"] = ""
+            choices.append({"index": c.index, "message": message,
+                            "logprobs": token_text.chat_logprobs(c.logprobs)
+                            if c.params.logprobs is not None else None,
+                            "finish_reason": c.finish_reason})
+        return {"id": self.job.response_id, "object": "chat.completion",
+                "created": self.job.created, "model": self.job.state.model_id,
+                "choices": choices, "usage": self.job.usage()}
+
+
+class CompletionStream(_Stream):
+    object_name = "text_completion"
+
+    def __init__(self, job: Job):
+        super().__init__(job)
+        self.offsets = {c.index: 0 for c in job.choices}
+
+    def absorb(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
+        logprobs = None
+        if choice.params.logprobs is not None:
+            logprobs = self.job.state.token_text.completion_logprobs(
+                out.new_logprobs, self.offsets[choice.index])
+        self.offsets[choice.index] += len(out.new_text)
+        finish = choice.finish_reason if out.finished else None
+        if not out.new_text and finish is None and logprobs is None:
+            return None
+        return self.chunk([{"index": choice.index, "text": out.new_text, "logprobs": logprobs,
+                            "finish_reason": finish}])
+
+    def full_response(self) -> dict[str, Any]:
+        token_text = self.job.state.token_text
+        choices = [{"index": c.index, "text": c.text,
+                    "logprobs": token_text.completion_logprobs(c.logprobs, 0)
+                    if c.params.logprobs is not None else None,
+                    "finish_reason": c.finish_reason} for c in self.job.choices]
+        return {"id": self.job.response_id, "object": "text_completion",
+                "created": self.job.created, "model": self.job.state.model_id,
+                "choices": choices, "usage": self.job.usage()}
+
+
+def _collapse_tool_calls(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Streamed tool-call deltas (by index, arguments in pieces) to whole tool calls."""
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        call = calls.setdefault(d.get("index", len(calls)), {
+            "id": d.get("id"), "type": "function", "function": {"name": "", "arguments": ""}})
+        call["id"] = call["id"] or d.get("id")
+        fn = d.get("function") or {}
+        call["function"]["name"] += fn.get("name") or ""
+        call["function"]["arguments"] += fn.get("arguments") or ""
+    return [calls[i] for i in sorted(calls)]
