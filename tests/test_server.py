@@ -379,3 +379,16 @@ def test_streamed_n_choices_interleave_and_each_finishes(client):
     assert finished == {0: "length", 1: "length", 2: "length"}
     assert chunks[-1].usage.completion_tokens == 15
     assert _extra(chunks[-1], "timings")["completion_tokens"] == 15
+
+
+def test_a_list_of_prompts_times_n_gives_indexed_choices(client):
+    out = client.completions.create(model=MODEL, prompt=["Red,", "One,"], n=2, max_tokens=3,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+    by_index = {c.index: c.text for c in out.choices}
+    assert by_index[0] == by_index[1] and by_index[2] == by_index[3], "greedy choices agree"
+    single = client.completions.create(model=MODEL, prompt="One,", max_tokens=3, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert by_index[2] == single.choices[0].text
+    assert out.usage.prompt_tokens == 2 * single.usage.prompt_tokens
+    assert out.usage.completion_tokens == 12

@@ -226,3 +226,24 @@ def test_a_runaway_request_template_is_stopped_with_400_and_health_stays_fast(lo
             "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
             "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"})
         assert own.status_code == 200 and own.json()["usage"]["prompt_tokens"] >= 1
+
+
+def test_tokenizing_a_huge_prompt_does_not_stall_the_event_loop(loaded):
+    with _server(loaded) as srv:
+        async def scenario():
+            async with httpx.AsyncClient(base_url=srv.base_url, timeout=120) as http:
+                huge = asyncio.create_task(http.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": "The quick brown fox. " * 50000}],
+                    "max_tokens": 1}))
+                latencies = []
+                while not huge.done():
+                    start = time.perf_counter()
+                    assert (await http.get("/health")).status_code == 200
+                    latencies.append(time.perf_counter() - start)
+                    await asyncio.sleep(0.02)
+                return await huge, latencies
+
+        r, latencies = asyncio.run(asyncio.wait_for(scenario(), 120))
+        assert r.status_code == 400 and "context" in r.json()["error"]["message"]
+        assert len(latencies) >= 3, "the request took long enough to overlap health checks"
+        assert max(latencies) < 0.5, latencies
