@@ -68,15 +68,24 @@ def _successor_model(tokenizer: HFTokenizer, source: str) -> LoadedModel:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def tiny(tmp_path_factory):
     path = tmp_path_factory.mktemp("successor")
     tokenizer = _tokenizer(path)
     (path / "template.jinja").write_text(TEMPLATE)
-    loaded = _successor_model(tokenizer, str(path))
-    config = ServerConfig(served_model_name="tiny", chat_template=path / "template.jinja",
-                          reasoning_parser="think", tool_call_parser="hermes",
-                          engine=EngineConfig(num_kv_blocks=64))
-    with ServerThread(loaded, config) as srv:
+    return _successor_model(tokenizer, str(path)), path
+
+
+def _config(path) -> ServerConfig:
+    return ServerConfig(served_model_name="tiny", chat_template=path / "template.jinja",
+                        reasoning_parser="think", tool_call_parser="hermes",
+                        engine=EngineConfig(num_kv_blocks=64))
+
+
+@pytest.fixture(scope="module")
+def server(tiny):
+    loaded, path = tiny
+    tokenizer = loaded.tokenizer
+    with ServerThread(loaded, _config(path)) as srv:
         srv.token_id = tokenizer._tk.token_to_id
         yield srv
 
@@ -150,3 +159,19 @@ def test_tokenize_reports_the_prompt_anatomy(server):
     anatomy = body["prompt_anatomy"]
     assert anatomy["total"] == body["count"] == sum(
         v for k, v in anatomy.items() if k != "total")
+
+
+def test_a_dead_engine_fails_requests_cleanly_and_health_says_so(tiny):
+    loaded, path = tiny
+    with ServerThread(loaded, _config(path)) as srv, \
+            httpx.Client(base_url=srv.base_url, timeout=30) as http:
+        def broken_step():
+            raise RuntimeError("simulated device failure")
+
+        srv.state.engine.step = broken_step
+        r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 3})
+        assert r.status_code == 500 and "simulated device failure" in r.json()["error"]["message"]
+        assert http.get("/health").status_code == 503
+        assert http.get("/ready").status_code == 503
+        again = http.post("/v1/chat/completions", json={"messages": MESSAGES})
+        assert again.status_code == 503 and again.json()["error"]["code"] == "engine_dead"

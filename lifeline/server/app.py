@@ -61,8 +61,10 @@ async def _load(state: ServerState, loader: Any) -> None:
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        if not state.alive:
+            return JSONResponse({"status": "engine_dead"}, 503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/ready")
     async def ready() -> JSONResponse:

@@ -81,7 +81,12 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.aengine is not None and not self.admission.draining
+        return self.aengine is not None and self.alive and not self.admission.draining
+
+    @property
+    def alive(self) -> bool:
+        """False once the engine thread has died (a server without an engine is no use)."""
+        return self.aengine is None or self.aengine.error is None
 
     def require_engine(self) -> AsyncEngine:
         self.admission.check_open()
