@@ -4,6 +4,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from lifeline.server.config import ServerConfig
 
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
@@ -84,10 +88,19 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from lifeline.engine.engine import EngineConfig
     from lifeline.model.loader import load_model
-    from lifeline.server.config import ServerConfig
     from lifeline.server.run import serve
+
+    config = serve_config(args)
+    model = args.model
+    serve(lambda: load_model(model), config)
+    return 0
+
+
+def serve_config(args: argparse.Namespace) -> ServerConfig:
+    """The `ServerConfig` that `lifeline serve` flags describe."""
+    from lifeline.engine.engine import EngineConfig
+    from lifeline.server.config import ServerConfig
 
     engine = EngineConfig(max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
@@ -97,7 +110,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if name is None and args.model:
         path = Path(args.model)
         name = path.stem if path.suffix == ".gguf" else path.name
-    config = ServerConfig(
+    return ServerConfig(
         host=args.host, port=args.port, served_model_name=name,
         chat_template=args.chat_template,
         allow_request_chat_template=args.allow_request_chat_template,
@@ -106,17 +119,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
         max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
         otlp_endpoint=args.otlp_endpoint, engine=engine)
-    model = args.model
-    serve(lambda: load_model(model), config)
-    return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="lifeline", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     return {"generate": cmd_generate, "serve": cmd_serve}[args.command](args)
 
 

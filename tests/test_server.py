@@ -392,3 +392,25 @@ def test_a_list_of_prompts_times_n_gives_indexed_choices(client):
     assert by_index[2] == single.choices[0].text
     assert out.usage.prompt_tokens == 2 * single.usage.prompt_tokens
     assert out.usage.completion_tokens == 12
+
+
+def test_serve_flags_become_the_server_config():
+    from lifeline.cli import build_parser, serve_config
+
+    args = build_parser().parse_args([
+        "serve", "--model", "/models/qwen3-0.6b.gguf", "--port", "9001", "--api-key", "a",
+        "--api-key", "b", "--rate-limit-rpm", "5", "--max-queued-requests", "3",
+        "--shutdown-timeout", "7", "--reasoning-parser", "think", "--tool-call-parser", "hermes",
+        "--max-num-seqs", "8", "--no-prefix-caching"])
+    config = serve_config(args)
+    assert config.served_model_name == "qwen3-0.6b" and config.port == 9001
+    assert config.api_keys == ["a", "b"] and config.rate_limit_rpm == 5
+    assert config.max_queued_requests == 3 and config.shutdown_timeout == 7
+    assert config.reasoning_parser == "think" and config.tool_call_parser == "hermes"
+    assert config.engine.max_num_seqs == 8 and not config.engine.enable_prefix_caching
+    assert serve_config(build_parser().parse_args(["serve"])).served_model_name is None
+
+
+def test_wrong_method_is_an_openai_405(http):
+    r = http.get("/v1/completions")
+    assert r.status_code == 405 and set(r.json()["error"]) == {"message", "type", "param", "code"}
