@@ -247,3 +247,20 @@ def test_tokenizing_a_huge_prompt_does_not_stall_the_event_loop(loaded):
         assert r.status_code == 400 and "context" in r.json()["error"]["message"]
         assert len(latencies) >= 3, "the request took long enough to overlap health checks"
         assert max(latencies) < 0.5, latencies
+
+
+def test_drain_gives_up_after_the_shutdown_timeout_and_the_server_exits(loaded):
+    srv = _server(loaded, shutdown_timeout=1.0).start()
+    try:
+        with httpx.Client(base_url=srv.base_url, timeout=30) as http, \
+                http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert next(line for line in lines if line.startswith("data:"))
+            start = time.monotonic()
+            srv.sigterm()
+            with pytest.raises(httpx.RemoteProtocolError):
+                list(lines)  # cut off: 400 tokens take far longer than 1 s
+        srv.thread.join(15)
+        assert not srv.thread.is_alive() and time.monotonic() - start < 10
+    finally:
+        srv.stop()

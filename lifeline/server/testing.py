@@ -1,6 +1,7 @@
 """A real server on loopback in a background thread, for tests and notebooks."""
 from __future__ import annotations
 
+import signal
 import socket
 import threading
 import time
@@ -10,6 +11,7 @@ import uvicorn
 
 from lifeline.server.app import create_app
 from lifeline.server.config import ServerConfig
+from lifeline.server.run import DrainingServer
 from lifeline.server.state import LoadedOrLoader, ServerState
 
 
@@ -26,9 +28,9 @@ class ServerThread:
         self.config = config or ServerConfig()
         self.config.host, self.config.port = "127.0.0.1", free_port()
         self.app = create_app(model, self.config)
-        self.server = uvicorn.Server(uvicorn.Config(
+        self.server = DrainingServer(uvicorn.Config(
             self.app, host="127.0.0.1", port=self.config.port, access_log=False,
-            log_level="warning", timeout_graceful_shutdown=1))
+            log_level="warning", timeout_graceful_shutdown=1), self.state)
         self.thread = threading.Thread(target=self.server.run, name="lifeline-test-server",
                                        daemon=True)
 
@@ -48,6 +50,11 @@ class ServerThread:
                 raise RuntimeError("the test server did not start")
             time.sleep(0.02)
         return self
+
+    def sigterm(self) -> None:
+        """What SIGTERM does to `lifeline serve`: start the drain (signals only reach the main
+        thread, so the test calls the handler itself)."""
+        self.server.handle_exit(signal.SIGTERM, None)
 
     def stop(self, timeout: float = 10.0) -> None:
         self.server.should_exit = True
