@@ -89,11 +89,15 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from lifeline.model.loader import load_model
-    from lifeline.server.run import serve
+    from lifeline.server.run import build_app, serve
 
-    config = serve_config(args)
     model = args.model
-    serve(lambda: load_model(model), config)
+    try:
+        app = build_app(lambda: load_model(model), serve_config(args))
+    except (RuntimeError, ValueError) as exc:
+        print(f"lifeline serve: {exc}", file=sys.stderr)
+        return 2
+    serve(app)
     return 0
 
 

@@ -9,6 +9,7 @@ import time
 from types import FrameType
 
 import uvicorn
+from fastapi import FastAPI
 
 from lifeline.observe import AccessLog
 from lifeline.server.app import create_app
@@ -52,9 +53,16 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(model: LoadedOrLoader, config: ServerConfig) -> None:
-    AccessLog.configure()
+def build_app(model: LoadedOrLoader, config: ServerConfig) -> FastAPI:
+    """The app, with the JSON access log on stderr (raises on a bad configuration)."""
     app = create_app(model, config)
+    AccessLog.configure()
+    return app
+
+
+def serve(app: FastAPI) -> None:
+    """Run until SIGTERM or Ctrl-C has drained the server."""
+    config: ServerConfig = app.state.lifeline.config
     uconfig = uvicorn.Config(app, host=config.host, port=config.port, access_log=False,
                              timeout_graceful_shutdown=1, log_level="info")
     DrainingServer(uconfig, app.state.lifeline).run()
