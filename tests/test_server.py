@@ -414,3 +414,15 @@ def test_serve_flags_become_the_server_config():
 def test_wrong_method_is_an_openai_405(http):
     r = http.get("/v1/completions")
     assert r.status_code == 405 and set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_n_choices_share_their_prompt_through_the_prefix_cache(server, client):
+    prompt = "Request 8127. " + LONG_PROMPT + "Name three rivers."
+    stats = server.state.engine.block_manager.stats
+    before = stats.hits
+    out = client.completions.create(model=MODEL, prompt=prompt, n=4, max_tokens=3,
+                                    temperature=0.8, seed=5)
+    full_blocks = (out.usage.prompt_tokens - 1) // 16  # one prompt token is always computed
+    assert full_blocks >= 2 and len(out.choices) == 4
+    assert stats.hits - before >= 3 * full_blocks * 16, "choices 1-3 reuse choice 0's blocks"
+    assert out.usage.prompt_tokens_details.cached_tokens == 0, "choice 0 computed the prompt"

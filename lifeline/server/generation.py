@@ -50,7 +50,11 @@ class Cancelled(Exception):
 class Generation:
     """Runs every choice as its own task; `outputs()` yields (choice, output) as they come.
     Leaving the iteration early (client gone, error) cancels the tasks, which aborts the
-    engine requests and frees their KV blocks."""
+    engine requests and frees their KV blocks.
+
+    Choices that share a prompt (`n` > 1) start in two waves: the first choice alone, the others
+    once it has its first token. By then its prompt blocks are in the prefix cache, so the
+    others compute only what follows the last full block instead of the whole prompt again."""
 
     def __init__(self, aengine: AsyncEngine, admission: Admission, choices: list[Choice],
                  arrival: float):
@@ -60,18 +64,35 @@ class Generation:
         self.arrival = arrival
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
+        self._held: dict[int, list[Choice]] = {}
+        """Choices waiting for the first choice of their prompt (by its index)."""
 
     def start(self) -> None:
         """Admit every choice (503 when the waiting queue is full) and hand them to the engine."""
         self.admission.enter(len(self.choices))
-        self._tasks = [asyncio.create_task(self._pump(c)) for c in self.choices]
+        leaders: list[Choice] = []
+        for choice in self.choices:
+            leader = next((c for c in leaders if c.prompt_ids is choice.prompt_ids), None)
+            if leader is None:
+                leaders.append(choice)
+            else:
+                self._held.setdefault(leader.index, []).append(choice)
+        for leader in leaders:
+            self._launch(leader)
+
+    def _launch(self, choice: Choice) -> None:
+        self._tasks.append(asyncio.create_task(self._pump(choice)))
+
+    def _release_followers(self, leader: Choice) -> None:
+        for choice in self._held.pop(leader.index, []):
+            self._launch(choice)
 
     @property
     def finished(self) -> bool:
         return all(c.finished for c in self.choices)
 
     async def outputs(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
-        remaining = len(self._tasks)
+        remaining = len(self.choices)
         try:
             while remaining:
                 item = await self._queue.get()
@@ -87,6 +108,11 @@ class Generation:
     def cancel_nowait(self) -> list[asyncio.Task]:
         """Cancel every choice still running (usable where awaiting is not, e.g. in a stream
         that is itself being cancelled); each one aborts its engine request."""
+        for held in self._held.values():
+            for _ in held:
+                self.admission.started()
+                self.admission.left()
+        self._held.clear()
         pending = [t for t in self._tasks if not t.done()]
         for task in pending:
             task.cancel()
@@ -104,6 +130,7 @@ class Generation:
                 if not choice.started:
                     choice.started = True
                     self.admission.started()
+                    self._release_followers(choice)
                 choice.request = out.request
                 choice.token_ids.extend(out.new_token_ids)
                 choice.logprobs.extend(out.new_logprobs)
@@ -117,6 +144,7 @@ class Generation:
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             self._queue.put_nowait(exc)
+            self._release_followers(choice)  # they fail or finish on their own
         finally:
             if not choice.started:
                 self.admission.started()
