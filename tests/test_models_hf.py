@@ -1,11 +1,15 @@
 """Tiny random Llama, Qwen2, Qwen3 and Gemma 3 models made with transformers: our engine must
 give the same logits and the same greedy continuations as transformers' own implementation."""
+import os
+
 import pytest
 import torch
 import transformers
 
 from lifeline import LLM, SamplingParams
 
+DEVICE = os.environ.get("LIFELINE_TEST_DEVICE", "cpu")
+"""A GPU check runs this file with LIFELINE_TEST_DEVICE=cuda; CI runs it on the CPU."""
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=320, max_position_embeddings=512, head_dim=32)
 
@@ -58,7 +62,7 @@ def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
 
 def test_logits_match_transformers_with_chunked_prefill(tiny):
     kind, model, path = tiny
-    llm = LLM(path, max_num_batched_tokens=16, block_size=4)
+    llm = LLM(path, max_num_batched_tokens=16, block_size=4, device=DEVICE)
     ids = _prompt(45, seed=1)
     ours = llm.prompt_logits(ids)
     with torch.no_grad():
@@ -69,7 +73,7 @@ def test_logits_match_transformers_with_chunked_prefill(tiny):
 
 def test_greedy_continuations_identical_batched_and_alone(tiny):
     kind, model, path = tiny
-    llm = LLM(path, max_num_batched_tokens=24, block_size=4)
+    llm = LLM(path, max_num_batched_tokens=24, block_size=4, device=DEVICE)
     prompts = [_prompt(n, seed=n) for n in (3, 17, 30, 9)]
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     batched = llm.generate([{"prompt_token_ids": p} for p in prompts], params)

@@ -29,6 +29,8 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     num_threads: int | None = None
+    device: str = "cpu"
+    """Where weights, KV cache and logits live ('cpu', 'cuda'); scheduling stays on the CPU."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -76,7 +78,9 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len),
             self.block_manager)
-        self.runner = ModelRunner(loaded.model, mcfg, num_blocks, config.block_size)
+        loaded.model.to(config.device)
+        self.runner = ModelRunner(loaded.model, mcfg, num_blocks, config.block_size,
+                                  device=config.device)
         self.eos_token_ids = frozenset(getattr(self.tokenizer, "eos_token_ids", ()) or ())
         self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -149,7 +153,7 @@ class LLMEngine:
         req.want_prompt_logits = True
         while not req.is_finished:
             self.step()
-        return torch.cat(req.prompt_logits)
+        return torch.cat(req.prompt_logits).cpu()
 
     def abort_request(self, request_id: str) -> None:
         req = self.requests.get(request_id)

@@ -30,13 +30,15 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype = torch.float32):
+                 kv_dtype: torch.dtype = torch.float32, device: str = "cpu"):
         self.model = model
         self.config = config
         self.block_size = block_size
+        self.device = torch.device(device)
         slots = num_blocks * block_size
         shape = (slots, config.num_kv_heads, config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
+        self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=self.device),
+                           torch.zeros(shape, dtype=kv_dtype, device=self.device))
                           for _ in range(config.num_layers)]
 
     @staticmethod
@@ -114,7 +116,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Logits `[len(logit_rows), vocab]` in float32."""
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta)
+        dev = self.device
+        hidden = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev), self.kv_caches,
+                            inputs.meta.to(dev))
         if inputs.logit_rows.numel() == 0:
             return hidden.new_empty(0, self.config.vocab_size)
-        return self.model.compute_logits(hidden[inputs.logit_rows]).float()
+        return self.model.compute_logits(hidden[inputs.logit_rows.to(dev)]).float()

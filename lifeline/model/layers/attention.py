@@ -39,13 +39,23 @@ class AttentionMetadata:
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     """Decode masks per sliding window (None = full), built once per step."""
 
+    def to(self, device: torch.device | str) -> AttentionMetadata:
+        if torch.device(device).type == "cpu":
+            return self
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        prefills = [PrefillSeq(p.start, p.num_tokens, p.context_len, move(p.slots))
+                    for p in self.prefills]
+        return AttentionMetadata(move(self.slot_mapping), self.num_decodes,
+                                 move(self.decode_slots), move(self.decode_positions),
+                                 move(self.decode_valid), prefills)
+
     def decode_mask(self, window: int | None) -> torch.Tensor:
         mask = self.masks.get(window)
         if mask is None:
             mask = self.decode_valid
             if window is not None:
                 length = self.decode_valid.shape[1]
-                pos_k = torch.arange(length).unsqueeze(0)
+                pos_k = torch.arange(length, device=mask.device).unsqueeze(0)
                 mask = mask & (pos_k > self.decode_positions.unsqueeze(1) - window)
             mask = mask[:, None, None, :]
             self.masks[window] = mask
@@ -98,15 +108,16 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
         o = F.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True, scale=scale,
                                            enable_gqa=True)
     else:
-        mask = _chunk_mask(p.num_tokens, p.context_len, window)
+        mask = _chunk_mask(p.num_tokens, p.context_len, window, q.device)
         o = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, scale=scale,
                                            enable_gqa=True)
     return o.transpose(0, 1)
 
 
-def _chunk_mask(num_q: int, num_k: int, window: int | None) -> torch.Tensor:
-    pos_q = torch.arange(num_k - num_q, num_k).unsqueeze(1)
-    pos_k = torch.arange(num_k).unsqueeze(0)
+def _chunk_mask(num_q: int, num_k: int, window: int | None, device: torch.device
+                ) -> torch.Tensor:
+    pos_q = torch.arange(num_k - num_q, num_k, device=device).unsqueeze(1)
+    pos_k = torch.arange(num_k, device=device).unsqueeze(0)
     mask = pos_k <= pos_q
     if window is not None:
         mask &= pos_k > pos_q - window
