@@ -1,6 +1,7 @@
 """The gateway under pressure: keys, rate limits, a bounded queue, health while the engine is
 saturated, and a client that hangs up mid-stream. Real servers on loopback, default model."""
 import asyncio
+import json
 import re
 import time
 
@@ -249,17 +250,25 @@ def test_tokenizing_a_huge_prompt_does_not_stall_the_event_loop(loaded):
         assert max(latencies) < 0.5, latencies
 
 
-def test_drain_gives_up_after_the_shutdown_timeout_and_the_server_exits(loaded):
+def test_drain_past_the_shutdown_timeout_aborts_what_is_left_and_exits(loaded):
     srv = _server(loaded, shutdown_timeout=1.0).start()
     try:
         with httpx.Client(base_url=srv.base_url, timeout=30) as http, \
-                http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
+                http.stream("POST", "/v1/chat/completions", json={
+                    **LONG, "messages": [{"role": "user", "content": "A story, please."}],
+                    "n": 2, "stream": True, "stream_options": {"include_usage": True}}) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data:"))
             start = time.monotonic()
             srv.sigterm()
-            with pytest.raises(httpx.RemoteProtocolError):
-                list(lines)  # cut off: 400 tokens take far longer than 1 s
+            rest = [line for line in lines if line.startswith("data:")]
+        assert rest[-1] == "data: [DONE]", "400 tokens take far longer than 1 s: aborted"
+        chunks = [json.loads(line[6:]) for line in rest[:-1]]
+        finishes = {c["choices"][0]["index"]: c["choices"][0]["finish_reason"]
+                    for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]}
+        assert finishes == {0: "abort", 1: "abort"}
+        assert 0 < chunks[-1]["usage"]["completion_tokens"] < 800
+        assert chunks[-1]["timings"]["e2e_ms"] > 1000
         srv.thread.join(15)
         assert not srv.thread.is_alive() and time.monotonic() - start < 10
     finally:

@@ -57,11 +57,14 @@ class Generation:
     others compute only what follows the last full block instead of the whole prompt again."""
 
     def __init__(self, aengine: AsyncEngine, admission: Admission, choices: list[Choice],
-                 arrival: float):
+                 arrival: float, registry: set[Generation] | None = None):
         self.aengine = aengine
         self.admission = admission
         self.choices = choices
         self.arrival = arrival
+        self.registry = registry if registry is not None else set()
+        """The server's running generations, for a shutdown to abort."""
+        self.aborted = False
         self._queue: asyncio.Queue = asyncio.Queue()
         self._tasks: list[asyncio.Task] = []
         self._held: dict[int, list[Choice]] = {}
@@ -79,6 +82,7 @@ class Generation:
                 self._held.setdefault(leader.index, []).append(choice)
         for leader in leaders:
             self._launch(leader)
+        self.registry.add(self)
 
     def _launch(self, choice: Choice) -> None:
         self._tasks.append(asyncio.create_task(self._pump(choice)))
@@ -103,7 +107,18 @@ class Generation:
                 else:
                     yield item
         finally:
+            self.registry.discard(self)
             self.cancel_nowait()
+
+    def abort(self) -> None:
+        """End every unfinished choice now with finish_reason 'abort' (the server is shutting
+        down); unlike `cancel`, `outputs()` then ends normally, so the answer is complete."""
+        self.aborted = True
+        for held in self._held.values():
+            for choice in held:
+                choice.finish_reason = "abort"
+                self._queue.put_nowait(None)
+        self.cancel_nowait()
 
     def cancel_nowait(self) -> list[asyncio.Task]:
         """Cancel every choice still running (usable where awaiting is not, e.g. in a stream
@@ -140,7 +155,11 @@ class Generation:
                 self._queue.put_nowait((choice, out))
             self._queue.put_nowait(None)
         except asyncio.CancelledError:
-            self._queue.put_nowait(Cancelled(f"{choice.request_id} was cancelled"))
+            if self.aborted:
+                choice.finish_reason = choice.finish_reason or "abort"
+                self._queue.put_nowait(None)
+            else:
+                self._queue.put_nowait(Cancelled(f"{choice.request_id} was cancelled"))
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
             self._queue.put_nowait(exc)

@@ -146,7 +146,7 @@ def _make_choices(job: Job) -> None:
 async def _respond(request: Request, job: Job, stream: ChatStream | CompletionStream) -> Any:
     state = job.state
     job.generation = Generation(state.require_engine(), state.admission, job.choices,
-                                job.stamps.arrival)
+                                job.stamps.arrival, state.generations)
     job.generation.start()
     job.start_anatomy()
     request.state.accounted = True

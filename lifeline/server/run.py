@@ -48,7 +48,12 @@ class DrainingServer(uvicorn.Server):
         while admission.in_flight > 0 and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         if admission.in_flight:
-            log.warning("drain timed out with %d requests in flight", admission.in_flight)
+            log.warning("drain timed out: aborting %d requests", admission.in_flight)
+            for generation in list(self.state.generations):
+                generation.abort()
+            deadline = time.monotonic() + 2
+            while admission.in_flight > 0 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
         await asyncio.sleep(0.1)  # let the last responses flush
         self.should_exit = True
 

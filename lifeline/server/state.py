@@ -57,6 +57,8 @@ class ServerState:
     """The chat frontend (templates and parsers), see `lifeline.server.chat_frontend`."""
     token_text: TokenText | None = None
     created: int = field(default_factory=lambda: int(time.time()))
+    generations: set = field(default_factory=set)
+    """Generations running now (`lifeline.server.generation.Generation`)."""
 
     @classmethod
     def build(cls, loaded: LoadedModel | None, config: ServerConfig) -> ServerState:

@@ -20,6 +20,8 @@ class _Stream:
 
     def __init__(self, job: Job):
         self.job = job
+        self.closed: set[int] = set()
+        """Choices whose finish_reason was sent."""
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.job.response_id, "object": self.object_name,
@@ -27,6 +29,11 @@ class _Stream:
                 "choices": choices, **extra}
 
     def absorb(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
+        raise NotImplementedError
+
+    def cut_off(self, choice: Choice) -> dict[str, Any]:
+        """The last choice entry of a choice that ended without a final output (aborted by a
+        shutdown)."""
         raise NotImplementedError
 
     def opening(self) -> list[dict[str, Any]]:
@@ -73,6 +80,7 @@ class _Stream:
     def _closing(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         job = self.job
         job.stamps.mark("last_byte")
+        items += [self.chunk([self.cut_off(c)]) for c in job.choices if c.index not in self.closed]
         record = job.record()
         job.account(record)
         if job.body.include_usage:
@@ -113,6 +121,7 @@ class ChatStream(_Stream):
             delta = delta + parser.finish()
             finish = "tool_calls" if parser.saw_tool_calls else choice.finish_reason
             choice.finish_reason = finish
+            self.closed.add(choice.index)
         self._remember(choice.index, delta)
         body = self._delta_body(delta)
         logprobs = (self.job.state.token_text.chat_logprobs(out.new_logprobs)
@@ -121,6 +130,13 @@ class ChatStream(_Stream):
             return None
         return self.chunk([{"index": choice.index, "delta": body, "logprobs": logprobs,
                             "finish_reason": finish}])
+
+    def cut_off(self, choice: Choice) -> dict[str, Any]:
+        delta = choice.state.finish()
+        self._remember(choice.index, delta)
+        self.closed.add(choice.index)
+        return {"index": choice.index, "delta": self._delta_body(delta), "logprobs": None,
+                "finish_reason": choice.finish_reason or "abort"}
 
     def _first_answer(self, out: RequestOutput) -> None:
         """The first token after a reasoning section (of any choice)."""
@@ -149,6 +165,8 @@ class ChatStream(_Stream):
         choices = []
         token_text = self.job.state.token_text
         for c in self.job.choices:
+            if c.index not in self.closed:
+                self.cut_off(c)
             msg = self.messages[c.index]
             message: dict[str, Any] = {"role": "assistant", "content": msg["content"] or None}
             if msg["reasoning"]:
@@ -180,10 +198,17 @@ class CompletionStream(_Stream):
                 out.new_logprobs, self.offsets[choice.index])
         self.offsets[choice.index] += len(out.new_text)
         finish = choice.finish_reason if out.finished else None
+        if finish is not None:
+            self.closed.add(choice.index)
         if not out.new_text and finish is None and logprobs is None:
             return None
         return self.chunk([{"index": choice.index, "text": out.new_text, "logprobs": logprobs,
                             "finish_reason": finish}])
+
+    def cut_off(self, choice: Choice) -> dict[str, Any]:
+        self.closed.add(choice.index)
+        return {"index": choice.index, "text": "", "logprobs": None,
+                "finish_reason": choice.finish_reason or "abort"}
 
     def full_response(self) -> dict[str, Any]:
         token_text = self.job.state.token_text
