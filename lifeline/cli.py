@@ -1,10 +1,13 @@
-"""`lifeline` command line: generate (offline), serve; later bench and plan."""
+"""`lifeline` command line: generate (offline), serve, bench; later plan."""
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from lifeline.bench.command import add_parser as bench_parser
+from lifeline.bench.command import cmd_bench
 
 if TYPE_CHECKING:
     from lifeline.server.config import ServerConfig
@@ -130,12 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _generate_parser(sub)
     _serve_parser(sub)
+    bench_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return {"generate": cmd_generate, "serve": cmd_serve}[args.command](args)
+    return {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench}[args.command](args)
 
 
 if __name__ == "__main__":

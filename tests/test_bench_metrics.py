@@ -150,7 +150,7 @@ def test_lifeline_timings_split_ttft_and_name_the_dominant_stage():
                                    "prefill": 10.0})
     stages = breakdown([split])
     assert stages["queue_ms"]["share"] == pytest.approx(0.8)
-    assert diagnosis(stages).startswith("TTFT is 80% queue: the server is saturated")
+    assert diagnosis(stages).startswith("TTFT is mostly queue (80%): the server is saturated")
 
 
 def test_llama_cpp_timings_give_prefill_and_leave_the_rest_to_client_network():

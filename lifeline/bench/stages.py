@@ -105,4 +105,4 @@ def diagnosis(stages: dict[str, Any] | None) -> str | None:
         return None
     stage = max(shares, key=shares.__getitem__)
     label = stage.replace("_", " and ")
-    return f"TTFT is {shares[stage]:.0%} {label}: {ADVICE[stage]}."
+    return f"TTFT is mostly {label} ({shares[stage]:.0%}): {ADVICE[stage]}."

@@ -1,0 +1,91 @@
+"""`lifeline bench`: its flags and what it does with them."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="load-test any OpenAI-compatible server",
+                       description="Load-test an OpenAI-compatible server (Lifeline, llama.cpp, "
+                                   "vLLM, SGLang) and report TTFT, TTFAT, TBT, TPOT, E2E, "
+                                   "throughput, goodput and where the time went.")
+    p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the API base, with /v1")
+    p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
+    p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
+    p.add_argument("--api-key", default=None)
+    load = p.add_argument_group("load")
+    load.add_argument("--concurrency", type=int, default=None,
+                      help="closed loop: users (default 1); with --rate: the most in flight")
+    load.add_argument("--rate", type=float, default=None,
+                      help="open loop: requests per second (Poisson unless --burstiness)")
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of inter-arrival times; < 1 is burstier")
+    load.add_argument("--requests", type=int, default=None,
+                      help="measured requests (default 100 unless --duration)")
+    load.add_argument("--duration", type=float, default=None, help="seconds to keep starting requests")
+    load.add_argument("--warmup", type=int, default=1, help="requests sent first and left out")
+    load.add_argument("--think-time", type=float, default=0.0,
+                      help="closed loop: mean seconds a user waits between requests")
+    work = p.add_argument_group("workload")
+    work.add_argument("--input-tokens", type=int, default=128)
+    work.add_argument("--output-tokens", type=int, default=128)
+    work.add_argument("--length-dist", choices=["fixed", "uniform", "normal"], default="fixed")
+    work.add_argument("--length-spread", type=float, default=0.0,
+                      help="uniform: ± this fraction of the mean; normal: its std / mean")
+    work.add_argument("--prefix-groups", type=int, default=0,
+                      help="groups of requests that share a prompt prefix")
+    work.add_argument("--prefix-tokens", type=int, default=0, help="the shared prefix's length")
+    work.add_argument("--dataset", default=None, help="JSONL prompts: prompt or messages per line")
+    work.add_argument("--tokenizer", default=None,
+                      help="GGUF file or HF directory, when the server has no /tokenize")
+    work.add_argument("--no-pin-output", action="store_true",
+                      help="do not send ignore_eos/min_tokens (let the model stop)")
+    work.add_argument("--seed", type=int, default=0)
+    out = p.add_argument_group("results")
+    out.add_argument("--slo", default=None, help="per-request thresholds, e.g. ttft=2s,tpot=150ms")
+    out.add_argument("--slo-attainment", default="90%",
+                     help="share of requests that must meet the SLO (default 90%%)")
+    out.add_argument("--json", default=None, help="write the results here")
+    out.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    out.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    import httpx
+    from rich.console import Console
+
+    from lifeline.bench.metrics import parse_fraction
+    from lifeline.bench.report import LiveProgress, print_report
+    from lifeline.bench.run import BenchSettings, run_bench
+
+    try:
+        settings = BenchSettings(
+            url=args.url, model=args.model, endpoint=args.endpoint, concurrency=args.concurrency,
+            rate=args.rate, burstiness=args.burstiness, requests=args.requests,
+            duration_s=args.duration, warmup=args.warmup, think_time_s=args.think_time,
+            input_tokens=args.input_tokens, output_tokens=args.output_tokens,
+            length_dist=args.length_dist, length_spread=args.length_spread,
+            prefix_groups=args.prefix_groups, prefix_tokens=args.prefix_tokens,
+            dataset=args.dataset, tokenizer=args.tokenizer, pin_output=not args.no_pin_output,
+            slo=args.slo, slo_attainment=parse_fraction(args.slo_attainment), seed=args.seed,
+            timeout_s=args.timeout, api_key=args.api_key)
+        settings.plan()
+    except ValueError as exc:
+        print(f"lifeline bench: {exc}", file=sys.stderr)
+        return 2
+    console = Console()
+    try:
+        with LiveProgress(console, settings.requests, disable=args.quiet) as progress:
+            results = asyncio.run(run_bench(settings, progress.update))
+    except (RuntimeError, ValueError, OSError, httpx.HTTPError) as exc:
+        print(f"lifeline bench: {exc}", file=sys.stderr)
+        return 1
+    print_report(console, results)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0

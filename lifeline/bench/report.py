@@ -1,0 +1,91 @@
+"""What a person reads: a live progress bar while the run goes, then a summary table, the TTFT
+stages and a one-line diagnosis."""
+from __future__ import annotations
+
+from typing import Any, Self
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from lifeline.bench.load import Sent
+
+LATENCIES = (("TTFT", "ttft_ms"), ("TTFAT", "ttfat_ms"), ("TBT", "tbt_ms"), ("ITL", "itl_ms"),
+             ("TPOT", "tpot_ms"), ("E2E", "e2e_ms"))
+STATS = ("mean", "p50", "p90", "p95", "p99")
+
+
+class LiveProgress:
+    """`with LiveProgress(console, total) as p: run(on_done=p.update)`."""
+
+    def __init__(self, console: Console, total: int | None, disable: bool = False):
+        self.progress = Progress(TextColumn("[bold]bench"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
+                                 console=console, transient=False,
+                                 disable=disable)
+        self.task = self.progress.add_task("bench", total=total, status="")
+        self.ok = self.failed = self.tokens = 0
+
+    def update(self, sent: Sent) -> None:
+        if sent.trace.error is None:
+            self.ok += 1
+            self.tokens += sent.trace.output_tokens or 0
+        else:
+            self.failed += 1
+        self.progress.update(self.task, advance=1,
+                             status=f"ok {self.ok}  failed {self.failed}  {self.tokens} tok")
+
+    def __enter__(self) -> Self:
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.progress.stop()
+
+
+def _fmt(value: float | None, digits: int = 1) -> str:
+    return "—" if value is None else f"{value:,.{digits}f}"
+
+
+def summary_table(results: dict[str, Any]) -> Table:
+    s = results["summary"]
+    table = Table("metric (ms)", *STATS, "n", title=f"lifeline bench · {results['settings']['model']}")
+    for label, key in LATENCIES:
+        d = s[key]
+        if d["count"]:
+            table.add_row(label, *(_fmt(d[k]) for k in STATS), str(d["count"]))
+    for label, key in (("client network", "client_network_ms"), ("front", "front_ms"),
+                       ("queue", "queue_ms"), ("prefill", "prefill_ms")):
+        d = (s.get("ttft_stages") or {}).get(key)
+        if d:
+            table.add_row(f"  TTFT: {label} ({d['share']:.0%})", *(_fmt(d[k]) for k in STATS),
+                          str(d["count"]))
+    return table
+
+
+def totals_table(results: dict[str, Any]) -> Table:
+    s = results["summary"]
+    table = Table("totals", "value", show_header=False)
+    rows = [("requests ok / failed", f"{s['successful']} / {s['failed']}"),
+            ("errors", ", ".join(f"{k}: {v}" for k, v in s["errors"].items()) or "none"),
+            ("duration s", _fmt(s["duration_s"], 2)),
+            ("prompt / output tokens", f"{s['prompt_tokens']:,} / {s['output_tokens']:,}"),
+            ("output throughput tok/s", _fmt(s["output_throughput_tok_s"])),
+            ("total throughput tok/s", _fmt(s["total_throughput_tok_s"])),
+            ("request throughput req/s", _fmt(s["request_throughput_rps"], 2))]
+    if s["slo"]:
+        slo = s["slo"]
+        verdict = "[green]met[/]" if slo["met"] else "[red]not met[/]"
+        rows += [("goodput req/s", _fmt(s["goodput_rps"], 2)),
+                 ("SLO attainment", (f"{slo['attainment']:.0%} of "
+                                     f"{slo['attainment_required']:.0%} required: {verdict}"))]
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def print_report(console: Console, results: dict[str, Any]) -> None:
+    console.print(summary_table(results))
+    console.print(totals_table(results))
+    if results["summary"]["diagnosis"]:
+        console.print(f"[bold]where the time went:[/] {results['summary']['diagnosis']}")

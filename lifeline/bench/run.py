@@ -1,0 +1,127 @@
+"""One benchmark run: build the workload, drive the load, measure, summarise into the JSON
+results whose schema docs/bench.md documents."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from lifeline.bench.client import BenchClient
+from lifeline.bench.load import LoadPlan, RunResult, Sent, run_load
+from lifeline.bench.metrics import Slo, distribution, request_metrics, summarize
+from lifeline.bench.stages import breakdown, diagnosis, ttft_split
+from lifeline.bench.workloads import Lengths, cycle, jsonl_requests, pick_tokenizer, random_requests
+
+SCHEMA = "lifeline.bench/1"
+DISTINCT_PROMPTS = 256
+"""Prompts generated for a duration-bound run, then repeated."""
+
+
+@dataclass(slots=True)
+class BenchSettings:
+    """Everything that defines a run; recorded in the results as `settings`."""
+
+    url: str
+    model: str | None = None
+    endpoint: str = "completions"
+    concurrency: int | None = None
+    rate: float | None = None
+    burstiness: float = 1.0
+    requests: int | None = None
+    duration_s: float | None = None
+    warmup: int = 1
+    think_time_s: float = 0.0
+    input_tokens: int = 128
+    output_tokens: int = 128
+    length_dist: str = "fixed"
+    length_spread: float = 0.0
+    prefix_groups: int = 0
+    prefix_tokens: int = 0
+    dataset: str | None = None
+    tokenizer: str | None = None
+    pin_output: bool = True
+    slo: str | None = None
+    slo_attainment: float = 0.9
+    seed: int = 0
+    timeout_s: float = 600.0
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.requests is None and self.duration_s is None:
+            self.requests = 100
+        if self.prefix_groups and self.prefix_tokens >= self.input_tokens:
+            raise ValueError("the shared prefix must be shorter than the input")
+
+    def plan(self) -> LoadPlan:
+        closed = self.rate is None
+        return LoadPlan(concurrency=self.concurrency or (1 if closed else 0), rate=self.rate,
+                        burstiness=self.burstiness, requests=self.requests,
+                        duration_s=self.duration_s, warmup=self.warmup,
+                        think_time_s=self.think_time_s, seed=self.seed)
+
+    def public(self) -> dict[str, Any]:
+        out = asdict(self)
+        out.pop("api_key")
+        return out
+
+
+async def resolve_model(client: BenchClient) -> str:
+    """The first model `/models` lists (when `--model` was not given)."""
+    r = await client.http.get(client.base_url + "/models")
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+async def build_workload(settings: BenchSettings, client: BenchClient) -> list:
+    if settings.dataset:
+        return jsonl_requests(settings.dataset, settings.output_tokens)
+    count = (settings.requests + settings.warmup if settings.requests is not None
+             else DISTINCT_PROMPTS)
+    tk = await pick_tokenizer(client, settings.tokenizer)
+    lengths = Lengths(settings.input_tokens, settings.output_tokens, settings.length_dist,
+                      settings.length_spread)
+    return await random_requests(tk, lengths, count, chat=settings.endpoint == "chat",
+                                 seed=settings.seed, prefix_groups=settings.prefix_groups,
+                                 prefix_tokens=settings.prefix_tokens)
+
+
+async def run_bench(settings: BenchSettings,
+                    on_done: Callable[[Sent], None] | None = None) -> dict[str, Any]:
+    """Run the benchmark `settings` describe and return its results."""
+    slo = Slo.parse(settings.slo, settings.slo_attainment) if settings.slo else None
+    plan = settings.plan()
+    connections = max(plan.concurrency or 1024, 16)  # never the client's bottleneck
+    async with BenchClient(settings.url, settings.model or "", endpoint=settings.endpoint,
+                           api_key=settings.api_key, max_connections=connections,
+                           timeout_s=settings.timeout_s, pin_output=settings.pin_output) as c:
+        if not settings.model:
+            c.model = settings.model = await resolve_model(c)
+        workload = await build_workload(settings, c)
+        started = datetime.now(UTC)
+        result = await run_load(c, cycle(workload), plan, on_done)
+    return results(settings, result, slo, started)
+
+
+def results(settings: BenchSettings, result: RunResult, slo: Slo | None,
+            started: datetime) -> dict[str, Any]:
+    sent = sorted(result.sent, key=lambda s: s.trace.sent)
+    metrics = [request_metrics(s.trace) for s in sent]
+    splits = [ttft_split(s.trace, m) if m.ok else None for s, m in zip(sent, metrics)]
+    summary = summarize(metrics, result.duration_s, slo)
+    summary["ttft_stages"] = breakdown(splits)
+    summary["diagnosis"] = diagnosis(summary["ttft_stages"])
+    summary["client_lag_ms"] = distribution((s.trace.sent - s.scheduled) * 1e3 for s in sent)
+    records = []
+    for i, (s, m, split) in enumerate(zip(sent, metrics, splits)):
+        record = {"index": i, "sent_s": s.trace.sent - result.start, **m.scalars(),
+                  "error_message": s.trace.error_message, "finish_reason": s.trace.finish_reason,
+                  "expected_prompt_tokens": s.request.prompt_tokens,
+                  "usage_prompt_tokens": s.trace.prompt_tokens,
+                  "usage_output_tokens": s.trace.output_tokens,
+                  "server_timings": s.trace.server_timings, "ttft_split_ms": split,
+                  "itl_ms": m.itl_ms, "tbt_ms": m.tbt_ms}
+        records.append(record)
+    return {"schema": SCHEMA, "started_at": started.isoformat(timespec="seconds"),
+            "settings": settings.public(), "summary": summary, "requests": records}
+
