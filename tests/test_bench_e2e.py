@@ -1,0 +1,90 @@
+"""`lifeline bench` as a user runs it, against a real Lifeline server on loopback (a tiny
+random-weight Llama behind a word-level tokenizer, so it is fast): the JSON results hold the
+documented summary, and the request and token counts agree with what the server reported in
+`usage` and counted in its own Prometheus totals."""
+import json
+
+import httpx
+import pytest
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models, pre_tokenizers
+
+from lifeline.bench.workloads import WORDS
+from lifeline.cli import main
+from lifeline.engine.engine import EngineConfig
+from lifeline.model.config import ModelConfig
+from lifeline.model.loader import LoadedModel, build_model, init_dummy_weights
+from lifeline.server.config import ServerConfig
+from lifeline.server.testing import ServerThread
+from lifeline.tokenizer import HFTokenizer
+
+REQUESTS, WARMUP, USERS, INPUT, OUTPUT = 12, 1, 4, 24, 6
+DIST_KEYS = {"mean", "p50", "p90", "p95", "p99"}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("words")
+    vocab = {"[UNK]": 0, "</s>": 1, **{w: i + 2 for i, w in enumerate(dict.fromkeys(WORDS))}}
+    backend = Backend(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece()
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    tokenizer = HFTokenizer(path)
+    cfg = ModelConfig(architecture="llama", vocab_size=tokenizer.vocab_size, hidden_size=32,
+                      num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
+                      intermediate_size=64, max_position=256)
+    model = build_model(cfg)
+    init_dummy_weights(model)
+    loaded = LoadedModel(model.eval(), cfg, tokenizer, str(path), "dummy")
+    config = ServerConfig(served_model_name="tiny", engine=EngineConfig(num_kv_blocks=256))
+    with ServerThread(loaded, config) as srv:
+        yield srv
+
+
+def _counter(base_url: str, name: str) -> float:
+    text = httpx.get(base_url + "/metrics").text
+    line = next(li for li in text.splitlines()
+                if li.startswith(name + "{") and 'model_name="tiny"' in li)
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_closed_loop_run_reports_the_summary_and_the_servers_token_counts(server, tmp_path):
+    out = tmp_path / "out.json"
+    prompt_before = _counter(server.base_url, "lifeline:prompt_tokens_total")
+    output_before = _counter(server.base_url, "lifeline:generation_tokens_total")
+    rc = main(["bench", "--url", server.base_url + "/v1", "--concurrency", str(USERS),
+               "--requests", str(REQUESTS), "--warmup", str(WARMUP),
+               "--input-tokens", str(INPUT), "--output-tokens", str(OUTPUT),
+               "--slo", "ttft=60s,tpot=10s", "--json", str(out), "--quiet"])
+    assert rc == 0
+    results = json.loads(out.read_text())
+    s = results["summary"]
+    for key in ("ttft_ms", "ttfat_ms", "tbt_ms", "tpot_ms", "e2e_ms"):
+        assert DIST_KEYS <= set(s[key]) and s[key]["p50"] > 0, key
+    for key in ("output_throughput_tok_s", "total_throughput_tok_s", "request_throughput_rps",
+                "goodput_rps"):
+        assert s[key] > 0, key
+    assert results["settings"]["model"] == "tiny"
+    assert s["requests"] == s["successful"] == REQUESTS and s["errors"] == {}
+    assert s["slo"]["met"] and s["goodput_rps"] == pytest.approx(s["request_throughput_rps"])
+
+    records = results["requests"]
+    assert len(records) == REQUESTS
+    assert all(r["usage_prompt_tokens"] == r["expected_prompt_tokens"] == INPUT for r in records)
+    assert all(r["usage_output_tokens"] == r["output_tokens"] == OUTPUT for r in records)
+    assert all(len(r["tbt_ms"]) == OUTPUT - 1 for r in records)
+    assert s["prompt_tokens"] == REQUESTS * INPUT and s["output_tokens"] == REQUESTS * OUTPUT
+    sent = REQUESTS + WARMUP
+    assert _counter(server.base_url, "lifeline:prompt_tokens_total") - prompt_before == sent * INPUT
+    assert _counter(server.base_url, "lifeline:generation_tokens_total") - output_before \
+        == sent * OUTPUT
+
+    for r in records:  # the server's TTFT sits inside the client's, and the stages add up
+        split = r["ttft_split_ms"]
+        assert r["server_timings"]["source"] == "lifeline"
+        assert split["client_network"] >= 0 and split["queue"] >= 0 and split["prefill"] > 0
+        assert sum(split.values()) == pytest.approx(r["ttft_ms"])
+    assert s["ttft_stages"]["queue_ms"]["count"] == REQUESTS
+    assert s["diagnosis"].startswith("TTFT is mostly ")
