@@ -88,3 +88,21 @@ def test_closed_loop_run_reports_the_summary_and_the_servers_token_counts(server
         assert sum(split.values()) == pytest.approx(r["ttft_ms"])
     assert s["ttft_stages"]["queue_ms"]["count"] == REQUESTS
     assert s["diagnosis"].startswith("TTFT is mostly ")
+
+
+def test_find_max_users_on_a_small_budget_reports_the_search_and_cost(server, tmp_path):
+    out = tmp_path / "search.json"
+    rc = main(["bench", "--url", server.base_url + "/v1", "--find-max-users", "--max-users", "4",
+               "--requests", "4", "--warmup", "0", "--input-tokens", "16", "--output-tokens", "4",
+               "--slo", "ttft=60s,e2e=120s", "--cost-per-hour", "2", "--gpus", "2",
+               "--json", str(out), "--quiet"])
+    assert rc == 0
+    results = json.loads(out.read_text())
+    search = results["search"]
+    assert search["max_users"] == 4  # a generous SLO holds up to the limit
+    assert [t["concurrency"] for t in search["trials"]] == [1, 2, 4]
+    assert all(t["met"] for t in search["trials"])
+    assert results["settings"]["concurrency"] == 4
+    assert results["summary"]["requests"] == 16  # at least 4 requests per user
+    c = results["summary"]["cost"]
+    assert c["users_per_gpu"] == 2 and c["dollars_per_million_output_tokens"] > 0

@@ -1,6 +1,7 @@
 """The bench's metric math on synthetic streams: multi-token chunks, reasoning deltas, errors
 mid-stream, empty outputs; aggregates against numpy and against vLLM's `bench serve` formulas
 (TPOT, per-event ITL, throughputs, goodput) written out here from its definitions."""
+import asyncio
 import math
 
 import numpy as np
@@ -18,6 +19,7 @@ from lifeline.bench.metrics import (
     request_metrics,
     summarize,
 )
+from lifeline.bench.search import cost, search_max
 from lifeline.bench.stages import breakdown, diagnosis, normalize, ttft_split
 
 
@@ -167,3 +169,28 @@ def test_vllm_request_metrics_give_queue_and_prefill():
     n = normalize(body)
     assert n["queue_ms"] == pytest.approx(50) and n["prefill_ms"] == pytest.approx(30)
     assert normalize({"choices": []}) is None
+
+
+def _oracle(capacity: int):
+    asked = []
+
+    async def met(n: int) -> bool:
+        asked.append(n)
+        return n <= capacity
+    return met, asked
+
+
+@pytest.mark.parametrize("capacity,start,limit", [(13, 1, 1024), (1, 1, 64), (0, 1, 64),
+                                                  (64, 1, 64), (5, 16, 64), (40, 3, 100)])
+def test_search_finds_the_largest_concurrency_meeting_the_slo(capacity, start, limit):
+    met, asked = _oracle(capacity)
+    assert asyncio.run(search_max(met, start, limit)) == min(capacity, limit)
+    assert len(asked) <= 2 * math.ceil(math.log2(limit)) + 2
+    assert max(asked) <= limit
+
+
+def test_cost_per_user_and_per_token():
+    c = cost({"output_throughput_tok_s": 1000.0}, users=32, cost_per_hour=3.6, gpus=2)
+    assert c["users_per_gpu"] == 16 and c["gpus_per_user"] == pytest.approx(1 / 16)
+    assert c["output_tokens_per_dollar"] == pytest.approx(1e6)
+    assert c["dollars_per_million_output_tokens"] == pytest.approx(1.0)

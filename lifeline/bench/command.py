@@ -42,6 +42,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     work.add_argument("--no-pin-output", action="store_true",
                       help="do not send ignore_eos/min_tokens (let the model stop)")
     work.add_argument("--seed", type=int, default=0)
+    find = p.add_argument_group("capacity")
+    find.add_argument("--find-max-users", action="store_true",
+                      help="search the largest concurrency that meets --slo (Concurrent Users @ SLO)")
+    find.add_argument("--max-users", type=int, default=256, help="the search's upper bound")
+    find.add_argument("--cost-per-hour", type=float, default=None,
+                      help="dollars per hour of the server: adds users per GPU, $ per M tokens")
+    find.add_argument("--gpus", type=float, default=1.0, help="GPUs behind the server")
     out = p.add_argument_group("results")
     out.add_argument("--slo", default=None, help="per-request thresholds, e.g. ttft=2s,tpot=150ms")
     out.add_argument("--slo-attainment", default="90%",
@@ -59,8 +66,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from lifeline.bench.metrics import parse_fraction
-    from lifeline.bench.report import LiveProgress, print_report
+    from lifeline.bench.report import LiveProgress, print_report, print_trial
     from lifeline.bench.run import BenchSettings, run_bench
+    from lifeline.bench.search import cost, find_max_users
 
     try:
         settings = BenchSettings(
@@ -79,11 +87,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 2
     console = Console()
     try:
-        with LiveProgress(console, settings.requests, disable=args.quiet) as progress:
-            results = asyncio.run(run_bench(settings, progress.update))
+        if args.find_max_users:
+            results = asyncio.run(find_max_users(settings, args.max_users,
+                                                 lambda row: print_trial(console, row)))
+        else:
+            with LiveProgress(console, settings.requests, disable=args.quiet) as progress:
+                results = asyncio.run(run_bench(settings, progress.update))
     except (RuntimeError, ValueError, OSError, httpx.HTTPError) as exc:
         print(f"lifeline bench: {exc}", file=sys.stderr)
         return 1
+    if args.cost_per_hour is not None:
+        users = results["settings"]["concurrency"] if results["settings"]["rate"] is None else None
+        results["summary"]["cost"] = cost(results["summary"], users, args.cost_per_hour,
+                                          args.gpus)
     print_report(console, results)
     if args.json:
         with open(args.json, "w") as f:

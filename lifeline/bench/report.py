@@ -84,8 +84,30 @@ def totals_table(results: dict[str, Any]) -> Table:
     return table
 
 
+def print_trial(console: Console, row: dict[str, Any]) -> None:
+    verdict = "[green]met[/]" if row["met"] else "[red]not met[/]"
+    console.print(f"{row['concurrency']:>5} users: SLO {verdict} by {row['attainment']:.0%}  "
+                  f"TTFT p90 {_fmt(row['ttft_p90_ms'])} ms  TPOT p90 {_fmt(row['tpot_p90_ms'])} ms"
+                  f"  {_fmt(row['output_throughput_tok_s'])} tok/s")
+
+
+def cost_table(c: dict[str, Any]) -> Table:
+    table = Table("cost", "value", show_header=False)
+    table.add_row("users per GPU", _fmt(c["users_per_gpu"], 2))
+    table.add_row("GPUs per user", _fmt(c["gpus_per_user"], 4))
+    table.add_row("output tokens per $", _fmt(c["output_tokens_per_dollar"], 0))
+    table.add_row("$ per million output tokens", _fmt(c["dollars_per_million_output_tokens"], 3))
+    return table
+
+
 def print_report(console: Console, results: dict[str, Any]) -> None:
     console.print(summary_table(results))
     console.print(totals_table(results))
+    search = results.get("search")
+    if search:
+        console.print(f"[bold]Concurrent Users @ SLO: {search['max_users']}[/] "
+                      f"({len(search['trials'])} trials, limit {search['limit']})")
+    if results["summary"].get("cost"):
+        console.print(cost_table(results["summary"]["cost"]))
     if results["summary"]["diagnosis"]:
         console.print(f"[bold]where the time went:[/] {results['summary']['diagnosis']}")

@@ -50,6 +50,8 @@ class BenchSettings:
     def __post_init__(self) -> None:
         if self.requests is None and self.duration_s is None:
             self.requests = 100
+        if self.rate is None and self.concurrency is None:
+            self.concurrency = 1
         if self.prefix_groups and self.prefix_tokens >= self.input_tokens:
             raise ValueError("the shared prefix must be shorter than the input")
 

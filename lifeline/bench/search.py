@@ -1,0 +1,85 @@
+"""Concurrent Users @ SLO: the largest closed-loop concurrency at which a run still meets the
+SLO, found by doubling then bisecting; and what that costs."""
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import replace
+from typing import Any
+
+from lifeline.bench.run import BenchSettings, run_bench
+
+TRIAL_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
+
+
+async def search_max(met: Callable[[int], Awaitable[bool]], start: int = 1,
+                     limit: int = 1024) -> int:
+    """The largest n in [1, limit] with `met(n)`, assuming met is monotone (true up to some n,
+    false after): double from `start` until it fails, then bisect. 0 if even 1 fails."""
+    lo, n = 0, max(1, min(start, limit))
+    while True:
+        if await met(n):
+            lo = n
+            if n == limit:
+                return lo
+            n = min(2 * n, limit)
+        else:
+            hi = n
+            break
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if await met(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def trial_requests(settings: BenchSettings, users: int) -> int | None:
+    """Every user sends at least 4 requests, so each trial sees a steady state."""
+    if settings.requests is None:
+        return None
+    return max(settings.requests, 4 * users)
+
+
+async def find_max_users(settings: BenchSettings, limit: int = 1024,
+                         on_trial: Callable[[dict[str, Any]], None] | None = None
+                         ) -> dict[str, Any]:
+    """Run closed-loop trials; the results of the best one, with a `search` object listing
+    every trial and `max_users`."""
+    if not settings.slo:
+        raise ValueError("--find-max-users needs --slo")
+    runs: dict[int, dict[str, Any]] = {}
+    trials: list[dict[str, Any]] = []
+
+    async def met(users: int) -> bool:
+        trial = replace(settings, concurrency=users, rate=None, seed=settings.seed + users,
+                        requests=trial_requests(settings, users))
+        runs[users] = await run_bench(trial)
+        s = runs[users]["summary"]
+        row = {"concurrency": users, "met": s["slo"]["met"], "attainment": s["slo"]["attainment"],
+               "output_throughput_tok_s": s["output_throughput_tok_s"],
+               "goodput_rps": s["goodput_rps"], "failed": s["failed"],
+               **{f"{k[:-3]}_p90_ms": s[k]["p90"] for k in TRIAL_KEYS}}
+        trials.append(row)
+        if on_trial is not None:
+            on_trial(row)
+        return row["met"]
+
+    best = await search_max(met, settings.concurrency or 1, limit)
+    results = runs[best] if best else runs[min(runs)]
+    results["search"] = {"metric": "concurrency", "limit": limit, "max_users": best,
+                         "trials": trials}
+    return results
+
+
+def cost(summary: dict[str, Any], users: int | None, cost_per_hour: float,
+         gpus: float = 1.0) -> dict[str, float | None]:
+    """Users per GPU, GPUs per user, output tokens per dollar and dollars per million output
+    tokens, at a run's output throughput and `users` concurrent users."""
+    tok_per_hour = (summary["output_throughput_tok_s"] or 0.0) * 3600
+    return {"cost_per_hour": cost_per_hour, "gpus": gpus, "users": users,
+            "users_per_gpu": users / gpus if users is not None and gpus else None,
+            "gpus_per_user": gpus / users if users else None,
+            "output_tokens_per_dollar": tok_per_hour / cost_per_hour if cost_per_hour else None,
+            "dollars_per_million_output_tokens":
+                cost_per_hour / tok_per_hour * 1e6 if tok_per_hour else None}
