@@ -227,3 +227,22 @@ def test_jsonl_prompts(tmp_path):
     reqs = jsonl_requests(path, 16)
     assert reqs[0].prompt == "a b" and reqs[0].max_tokens == 16
     assert reqs[1].extra["messages"][0]["content"] == "c" and reqs[1].max_tokens == 3
+
+
+def test_client_capacity_measure_against_the_trivial_server():
+    from lifeline.bench.client_capacity import measure, trivial_app
+
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(trivial_app, host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        out = asyncio.run(measure(f"http://127.0.0.1:{port}/v1", 40, 8, 4))
+    finally:
+        server.should_exit = True
+        thread.join(5)
+    assert out["ok"] == 40 and out["requests_per_s"] > 0
+    assert out["events_per_s"] == pytest.approx(4 * out["requests_per_s"])
