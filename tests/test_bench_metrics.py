@@ -194,3 +194,8 @@ def test_cost_per_user_and_per_token():
     assert c["users_per_gpu"] == 16 and c["gpus_per_user"] == pytest.approx(1 / 16)
     assert c["output_tokens_per_dollar"] == pytest.approx(1e6)
     assert c["dollars_per_million_output_tokens"] == pytest.approx(1.0)
+
+
+def test_a_diagnosis_claims_a_dominant_stage_only_above_half_of_ttft():
+    split = {"client_network": 3.0, "front": 2.0, "queue": 4.0, "prefill": 1.0}
+    assert diagnosis(breakdown([split])) == "no stage dominates TTFT; the largest is queue (40%)."

@@ -105,4 +105,6 @@ def diagnosis(stages: dict[str, Any] | None) -> str | None:
         return None
     stage = max(shares, key=shares.__getitem__)
     label = stage.replace("_", " and ")
+    if shares[stage] < 0.5:
+        return f"no stage dominates TTFT; the largest is {label} ({shares[stage]:.0%})."
     return f"TTFT is mostly {label} ({shares[stage]:.0%}): {ADVICE[stage]}."
