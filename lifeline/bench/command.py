@@ -10,6 +10,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description="Load-test an OpenAI-compatible server (Lifeline, llama.cpp, "
                                    "vLLM, SGLang) and report TTFT, TTFAT, TBT, TPOT, E2E, "
                                    "throughput, goodput and where the time went.")
+    p.add_argument("action", nargs="*", metavar="compare A.json B.json",
+                   help="put earlier runs side by side instead of running")
     p.add_argument("--url", default="http://127.0.0.1:8000/v1", help="the API base, with /v1")
     p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
@@ -70,6 +72,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from lifeline.bench.run import BenchSettings, run_bench
     from lifeline.bench.search import cost, find_max_users
 
+    if args.action:
+        return cmd_compare(args.action)
     try:
         settings = BenchSettings(
             url=args.url, model=args.model, endpoint=args.endpoint, concurrency=args.concurrency,
@@ -104,4 +108,21 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    return 0
+
+
+def cmd_compare(action: list[str]) -> int:
+    from rich.console import Console
+
+    from lifeline.bench.compare import compare_table, load
+
+    if action[0] != "compare" or len(action) < 2:
+        print("lifeline bench: the only action is `compare A.json B.json ...`", file=sys.stderr)
+        return 2
+    try:
+        runs = [load(path) for path in action[1:]]
+    except (OSError, ValueError) as exc:
+        print(f"lifeline bench compare: {exc}", file=sys.stderr)
+        return 2
+    Console().print(compare_table(runs))
     return 0
