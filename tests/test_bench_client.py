@@ -30,6 +30,7 @@ TOKEN_DELAY_S = 0.002
 def _scripted_app() -> FastAPI:
     app = FastAPI()
     app.state.in_flight = app.state.max_in_flight = app.state.served = 0
+    app.state.chat_bodies = []
 
     def sse(obj) -> str:
         return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
@@ -84,7 +85,9 @@ def _scripted_app() -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):
-        return counted(chat_events(await request.json()))
+        body = await request.json()
+        app.state.chat_bodies.append(body)
+        return counted(chat_events(body))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -163,6 +166,26 @@ def test_closed_loop_keeps_n_users_in_flight_and_leaves_warmup_out(scripted):
     assert all(s.trace.error is None for s in result.sent)
     assert result.duration_s > 0
     assert min(s.trace.sent for s in result.sent) >= result.start
+
+
+def test_sessions_send_their_growing_history_with_the_servers_answers(scripted):
+    app, url = scripted
+    app.state.chat_bodies.clear()
+
+    async def go():
+        async with BenchClient(url, "m", endpoint="chat") as c:
+            work = cycle([BenchRequest(f"q{i}", max_tokens=4) for i in range(6)])
+            return await run_load(c, work, LoadPlan(concurrency=1, requests=6, turns=3))
+
+    result = asyncio.run(go())
+    assert [s.turn for s in result.sent] == [0, 1, 2, 0, 1, 2]
+    bodies = app.state.chat_bodies
+    assert [len(b["messages"]) for b in bodies] == [1, 3, 5, 1, 3, 5]
+    assert bodies[2]["messages"] == [
+        {"role": "user", "content": "q0"}, {"role": "assistant", "content": "Yes."},
+        {"role": "user", "content": "q1"}, {"role": "assistant", "content": "Yes."},
+        {"role": "user", "content": "q2"}]
+    assert bodies[3]["messages"] == [{"role": "user", "content": "q3"}]
 
 
 def test_a_duration_bound_stops_starting_requests(scripted):

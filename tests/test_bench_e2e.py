@@ -122,3 +122,17 @@ def test_chat_run_counts_the_template_and_times_the_first_token_not_the_role_chu
     # the server sends its role chunk before any token: timing it would put the client's TTFT
     # before the server's
     assert all(r["ttft_split_ms"]["client_network"] >= 0 for r in records)
+
+
+def test_multi_turn_sessions_grow_the_prompt_and_hit_the_prefix_cache(server, tmp_path):
+    out = tmp_path / "turns.json"
+    rc = main(["bench", "--url", server.base_url + "/v1", "--endpoint", "chat", "--turns", "3",
+               "--concurrency", "2", "--requests", "6", "--warmup", "0", "--input-tokens", "40",
+               "--output-tokens", "4", "--json", str(out), "--quiet"])
+    assert rc == 0
+    records = json.loads(out.read_text())["requests"]
+    assert sorted(r["turn"] for r in records) == [0, 0, 1, 1, 2, 2]
+    by_turn = {t: [r for r in records if r["turn"] == t] for t in (0, 1, 2)}
+    first, last = by_turn[0][0]["usage_prompt_tokens"], by_turn[2][0]["usage_prompt_tokens"]
+    assert last > first + 2 * 40  # two more prompts and two answers in the history
+    assert all(r["server_timings"]["cached_tokens"] > 0 for r in by_turn[2])

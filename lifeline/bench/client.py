@@ -122,6 +122,7 @@ def absorb(event: dict[str, Any], at: float, trace: RequestTrace) -> None:
         kind, tokens = _output_of(choice)
         if tokens:
             trace.chunks.append(Chunk(at, tokens, kind))
+            trace.answer += (choice.get("delta") or {}).get("content") or choice.get("text") or ""
         if choice.get("finish_reason"):
             trace.finish_reason = choice["finish_reason"]
     usage = event.get("usage")

@@ -25,10 +25,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="gamma shape of inter-arrival times; < 1 is burstier")
     load.add_argument("--requests", type=int, default=None,
                       help="measured requests (default 100 unless --duration)")
-    load.add_argument("--duration", type=float, default=None, help="seconds to keep starting requests")
+    load.add_argument("--duration", type=float, default=None,
+                      help="seconds to keep starting requests")
     load.add_argument("--warmup", type=int, default=1, help="requests sent first and left out")
     load.add_argument("--think-time", type=float, default=0.0,
                       help="closed loop: mean seconds a user waits between requests")
+    load.add_argument("--turns", type=int, default=1,
+                      help="chat, closed loop: sessions of this many turns whose history grows")
     work = p.add_argument_group("workload")
     work.add_argument("--input-tokens", type=int, default=128)
     work.add_argument("--output-tokens", type=int, default=128)
@@ -46,7 +49,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     work.add_argument("--seed", type=int, default=0)
     find = p.add_argument_group("capacity")
     find.add_argument("--find-max-users", action="store_true",
-                      help="search the largest concurrency that meets --slo (Concurrent Users @ SLO)")
+                      help="search the largest concurrency meeting --slo (Concurrent Users @ SLO)")
     find.add_argument("--max-users", type=int, default=256, help="the search's upper bound")
     find.add_argument("--cost-per-hour", type=float, default=None,
                       help="dollars per hour of the server: adds users per GPU, $ per M tokens")
@@ -79,6 +82,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             url=args.url, model=args.model, endpoint=args.endpoint, concurrency=args.concurrency,
             rate=args.rate, burstiness=args.burstiness, requests=args.requests,
             duration_s=args.duration, warmup=args.warmup, think_time_s=args.think_time,
+            turns=args.turns,
             input_tokens=args.input_tokens, output_tokens=args.output_tokens,
             length_dist=args.length_dist, length_spread=args.length_spread,
             prefix_groups=args.prefix_groups, prefix_tokens=args.prefix_tokens,

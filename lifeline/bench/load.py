@@ -31,15 +31,20 @@ class LoadPlan:
     """Requests sent before the measured window, left out of every number."""
     think_time_s: float = 0.0
     """Closed loop: mean pause (exponential) between a user's requests."""
+    turns: int = 1
+    """Closed loop, chat: each user holds sessions of this many turns; a turn sends the whole
+    history (earlier prompts and the server's answers) plus the next prompt."""
     seed: int = 0
 
     def __post_init__(self) -> None:
         if self.requests is None and self.duration_s is None:
             raise ValueError("bound the run by a request count or a duration")
-        if self.concurrency < 0 or self.rate is None and self.concurrency < 1:
+        if self.concurrency < 0 or (self.rate is None and self.concurrency < 1):
             raise ValueError("a closed loop needs at least one user")
-        if self.rate is not None and self.rate <= 0 or self.burstiness <= 0:
+        if (self.rate is not None and self.rate <= 0) or self.burstiness <= 0:
             raise ValueError("rate and burstiness are positive")
+        if self.turns < 1 or (self.turns > 1 and self.rate is not None):
+            raise ValueError("multi-turn sessions run in a closed loop")
 
 
 @dataclass(slots=True)
@@ -50,6 +55,8 @@ class Sent:
     trace: RequestTrace
     scheduled: float
     """When the load meant to send it; `trace.sent − scheduled` is the client's own lag."""
+    turn: int = 0
+    """The request's place in its session (0 without sessions)."""
 
 
 @dataclass(slots=True)
@@ -89,11 +96,12 @@ async def run_load(client: BenchClient, workload: Iterator[BenchRequest], plan: 
     result = RunResult(start=time.perf_counter())
     budget = _Budget(plan, workload, result.start)
 
-    async def one(req: BenchRequest, scheduled: float) -> None:
-        sent = Sent(req, await client.send(req), scheduled)
+    async def one(req: BenchRequest, scheduled: float, turn: int = 0) -> Sent:
+        sent = Sent(req, await client.send(req), scheduled, turn)
         result.sent.append(sent)
         if on_done is not None:
             on_done(sent)
+        return sent
 
     if plan.rate is None:
         await _closed(one, budget, plan)
@@ -115,12 +123,31 @@ async def _closed(one, budget: _Budget, plan: LoadPlan) -> None:
     rng = random.Random(plan.seed)
 
     async def user() -> None:
+        history: list[dict[str, str]] = []
+        turn = 0
         while (req := budget.take()) is not None:
-            await one(req, time.perf_counter())
+            if plan.turns > 1:
+                req = with_history(req, history)
+            sent = await one(req, time.perf_counter(), turn)
+            turn += 1
+            if plan.turns > 1:
+                history = [*req.extra["messages"],
+                           {"role": "assistant", "content": sent.trace.answer}]
+                if turn == plan.turns or sent.trace.error is not None:
+                    history, turn = [], 0
             if plan.think_time_s > 0:
                 await asyncio.sleep(rng.expovariate(1 / plan.think_time_s))
 
     await asyncio.gather(*(user() for _ in range(plan.concurrency)))
+
+
+def with_history(req: BenchRequest, history: list[dict[str, str]]) -> BenchRequest:
+    """The request as the next turn of a conversation: history, then its prompt."""
+    if not isinstance(req.prompt, str):
+        raise TypeError("multi-turn sessions need text prompts (--endpoint chat)")
+    messages = [*history, {"role": "user", "content": req.prompt}]
+    return BenchRequest(req.prompt, req.max_tokens, req.prompt_tokens,
+                        {**req.extra, "messages": messages})
 
 
 async def _open(one, budget: _Budget, plan: LoadPlan) -> None:

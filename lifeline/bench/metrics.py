@@ -56,6 +56,8 @@ class RequestTrace:
     error_message: str | None = None
     """The failure's text, for the records."""
     finish_reason: str | None = None
+    answer: str = ""
+    """The answer's text (content or completion text), for the next turn of a session."""
 
 
 @dataclass(slots=True)
@@ -209,7 +211,7 @@ class Slo:
             return False
         for key, limit in self.thresholds.items():
             value = getattr(m, f"{key}_ms")
-            if value is None and key != "tpot" or value is not None and value > limit:
+            if (value is None and key != "tpot") or (value is not None and value > limit):
                 return False
         return True
 

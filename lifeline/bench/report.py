@@ -49,7 +49,8 @@ def _fmt(value: float | None, digits: int = 1) -> str:
 
 def summary_table(results: dict[str, Any]) -> Table:
     s = results["summary"]
-    table = Table("metric (ms)", *STATS, "n", title=f"lifeline bench · {results['settings']['model']}")
+    title = f"lifeline bench · {results['settings']['model']}"
+    table = Table("metric (ms)", *STATS, "n", title=title)
     for label, key in LATENCIES:
         d = s[key]
         if d["count"]:

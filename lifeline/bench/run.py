@@ -32,6 +32,7 @@ class BenchSettings:
     duration_s: float | None = None
     warmup: int = 1
     think_time_s: float = 0.0
+    turns: int = 1
     input_tokens: int = 128
     output_tokens: int = 128
     length_dist: str = "fixed"
@@ -52,6 +53,8 @@ class BenchSettings:
             self.requests = 100
         if self.rate is None and self.concurrency is None:
             self.concurrency = 1
+        if self.turns > 1 and self.endpoint != "chat":
+            raise ValueError("multi-turn sessions (--turns) need --endpoint chat")
         if self.prefix_groups and self.prefix_tokens >= self.input_tokens:
             raise ValueError("the shared prefix must be shorter than the input")
 
@@ -60,7 +63,7 @@ class BenchSettings:
         return LoadPlan(concurrency=self.concurrency or (1 if closed else 0), rate=self.rate,
                         burstiness=self.burstiness, requests=self.requests,
                         duration_s=self.duration_s, warmup=self.warmup,
-                        think_time_s=self.think_time_s, seed=self.seed)
+                        think_time_s=self.think_time_s, turns=self.turns, seed=self.seed)
 
     def public(self) -> dict[str, Any]:
         out = asdict(self)
@@ -116,7 +119,8 @@ def results(settings: BenchSettings, result: RunResult, slo: Slo | None,
     summary["client_lag_ms"] = distribution((s.trace.sent - s.scheduled) * 1e3 for s in sent)
     records = []
     for i, (s, m, split) in enumerate(zip(sent, metrics, splits)):
-        record = {"index": i, "sent_s": s.trace.sent - result.start, **m.scalars(),
+        record = {"index": i, "turn": s.turn, "sent_s": s.trace.sent - result.start,
+                  **m.scalars(),
                   "error_message": s.trace.error_message, "finish_reason": s.trace.finish_reason,
                   "expected_prompt_tokens": s.request.prompt_tokens,
                   "usage_prompt_tokens": s.trace.prompt_tokens,

@@ -18,7 +18,18 @@ import httpx
 
 from lifeline.bench.client import BenchClient, BenchRequest
 
-WORDS = ["time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part", "child", "eye", "woman", "place", "work", "week", "case", "point", "government", "company", "number", "group", "problem", "fact", "be", "have", "do", "say", "get", "make", "go", "know", "take", "see", "come", "think", "look", "want", "give", "use", "find", "tell", "ask", "seem", "feel", "try", "leave", "call", "good", "new", "first", "last", "long", "great", "little", "own", "other", "old", "right", "big", "high", "different", "small", "large", "next", "early", "young", "important", "few", "public", "bad", "same", "able", "river", "stone", "garden", "window", "music", "paper", "summer", "light", "winter", "mountain", "ocean", "letter", "market", "story", "bridge", "forest"]
+WORDS = (
+    "time", "person", "year", "way", "day", "thing", "man", "world", "life", "hand", "part",
+    "child", "eye", "woman", "place", "work", "week", "case", "point", "government",
+    "company", "number", "group", "problem", "fact", "be", "have", "do", "say", "get", "make",
+    "go", "know", "take", "see", "come", "think", "look", "want", "give", "use", "find",
+    "tell", "ask", "seem", "feel", "try", "leave", "call", "good", "new", "first", "last",
+    "long", "great", "little", "own", "other", "old", "right", "big", "high", "different",
+    "small", "large", "next", "early", "young", "important", "few", "public", "bad", "same",
+    "able", "river", "stone", "garden", "window", "music", "paper", "summer", "light",
+    "winter", "mountain", "ocean", "letter", "market", "story", "bridge", "forest",
+)
+"""Common English words: random prompts are drawn from them."""
 
 
 class Tokenizer(Protocol):
