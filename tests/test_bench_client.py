@@ -269,3 +269,19 @@ def test_client_capacity_measure_against_the_trivial_server():
         thread.join(5)
     assert out["ok"] == 40 and out["requests_per_s"] > 0
     assert out["events_per_s"] == pytest.approx(4 * out["requests_per_s"])
+
+
+def test_find_max_rate_runs_open_loop_trials_up_to_the_limit(scripted, tmp_path):
+    from lifeline.cli import main
+
+    _, url = scripted
+    out = tmp_path / "rate.json"
+    rc = main(["bench", "--url", url, "--model", "m", "--find-max-users", "--rate", "50",
+               "--max-users", "200", "--requests", "10", "--warmup", "0", "--input-tokens", "8",
+               "--output-tokens", "4", "--slo", "e2e=30s", "--json", str(out), "--quiet"])
+    assert rc == 0
+    results = json.loads(out.read_text())
+    search = results["search"]
+    assert search["metric"] == "rate" and search["max_rate_rps"] == 200
+    assert [t["rate"] for t in search["trials"]] == [50, 100, 200]
+    assert results["settings"]["rate"] == 200 and results["summary"]["requests"] == 10

@@ -19,7 +19,7 @@ from lifeline.bench.metrics import (
     request_metrics,
     summarize,
 )
-from lifeline.bench.search import cost, search_max
+from lifeline.bench.search import cost, search_max, search_max_rate
 from lifeline.bench.stages import breakdown, diagnosis, normalize, ttft_split
 
 
@@ -199,3 +199,15 @@ def test_cost_per_user_and_per_token():
 def test_a_diagnosis_claims_a_dominant_stage_only_above_half_of_ttft():
     split = {"client_network": 3.0, "front": 2.0, "queue": 4.0, "prefill": 1.0}
     assert diagnosis(breakdown([split])) == "no stage dominates TTFT; the largest is queue (40%)."
+
+
+@pytest.mark.parametrize("capacity,start,limit", [(13.7, 1.0, 1000.0), (0.3, 4.0, 100.0),
+                                                  (0.0, 1.0, 100.0), (500.0, 2.0, 64.0)])
+def test_rate_search_brackets_the_largest_rate_meeting_the_slo(capacity, start, limit):
+    async def met(rate: float) -> bool:
+        return rate <= capacity
+
+    found = asyncio.run(search_max_rate(met, start, limit, precision=0.05))
+    best = min(capacity, limit)
+    assert found <= best
+    assert found == 0.0 if best < start / 64 else found >= best / 1.05

@@ -50,7 +50,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     find = p.add_argument_group("capacity")
     find.add_argument("--find-max-users", action="store_true",
                       help="search the largest concurrency meeting --slo (Concurrent Users @ SLO)")
-    find.add_argument("--max-users", type=int, default=256, help="the search's upper bound")
+    find.add_argument("--max-users", type=float, default=None,
+                      help="the search's upper bound: users (default 256), or req/s with --rate "
+                           "(default 64 × --rate)")
     find.add_argument("--cost-per-hour", type=float, default=None,
                       help="dollars per hour of the server: adds users per GPU, $ per M tokens")
     find.add_argument("--gpus", type=float, default=1.0, help="GPUs behind the server")
@@ -96,7 +98,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     console = Console()
     try:
         if args.find_max_users:
-            results = asyncio.run(find_max_users(settings, args.max_users,
+            limit = args.max_users or (256 if settings.rate is None else 64 * settings.rate)
+            results = asyncio.run(find_max_users(settings, limit,
                                                  lambda row: print_trial(console, row)))
         else:
             with LiveProgress(console, settings.requests, disable=args.quiet) as progress:

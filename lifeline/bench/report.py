@@ -87,7 +87,8 @@ def totals_table(results: dict[str, Any]) -> Table:
 
 def print_trial(console: Console, row: dict[str, Any]) -> None:
     verdict = "[green]met[/]" if row["met"] else "[red]not met[/]"
-    console.print(f"{row['concurrency']:>5} users: SLO {verdict} by {row['attainment']:.0%}  "
+    load = (f"{row['rate']:>8.2f} req/s" if "rate" in row else f"{row['concurrency']:>5} users")
+    console.print(f"{load}: SLO {verdict} by {row['attainment']:.0%}  "
                   f"TTFT p90 {_fmt(row['ttft_p90_ms'])} ms  TPOT p90 {_fmt(row['tpot_p90_ms'])} ms"
                   f"  {_fmt(row['output_throughput_tok_s'])} tok/s")
 
@@ -106,8 +107,11 @@ def print_report(console: Console, results: dict[str, Any]) -> None:
     console.print(totals_table(results))
     search = results.get("search")
     if search:
-        console.print(f"[bold]Concurrent Users @ SLO: {search['max_users']}[/] "
-                      f"({len(search['trials'])} trials, limit {search['limit']})")
+        answer = (f"Max rate @ SLO: {search['max_rate_rps']:.2f} req/s"
+                  if search["metric"] == "rate" else
+                  f"Concurrent Users @ SLO: {search['max_users']}")
+        console.print(f"[bold]{answer}[/] ({len(search['trials'])} trials, "
+                      f"limit {search['limit']:g})")
     if results["summary"].get("cost"):
         console.print(cost_table(results["summary"]["cost"]))
     if results["summary"]["diagnosis"]:

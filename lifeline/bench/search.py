@@ -41,34 +41,76 @@ def trial_requests(settings: BenchSettings, users: int) -> int | None:
     return max(settings.requests, 4 * users)
 
 
-async def find_max_users(settings: BenchSettings, limit: int = 1024,
+async def search_max_rate(met: Callable[[float], Awaitable[bool]], start: float,
+                          limit: float, precision: float = 0.1) -> float:
+    """The largest rate in (0, limit] with `met(rate)` to within `precision` (relative):
+    double from `start` until it fails (halve while it fails), then bisect geometrically.
+    0 when even start / 64 fails."""
+    lo, hi, rate = 0.0, limit, min(start, limit)
+    while await met(rate):
+        lo = rate
+        if rate >= limit:
+            return lo
+        rate = min(2 * rate, limit)
+    hi = rate
+    while lo == 0.0:
+        rate /= 2
+        if rate < start / 64:
+            return 0.0
+        if await met(rate):
+            lo = rate
+        else:
+            hi = rate
+    while hi / lo > 1 + precision:
+        mid = (lo * hi) ** 0.5
+        if await met(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _trial_row(results: dict[str, Any], **load: float) -> dict[str, Any]:
+    s = results["summary"]
+    return {**load, "met": s["slo"]["met"], "attainment": s["slo"]["attainment"],
+            "output_throughput_tok_s": s["output_throughput_tok_s"],
+            "goodput_rps": s["goodput_rps"], "failed": s["failed"],
+            **{f"{k[:-3]}_p90_ms": s[k]["p90"] for k in TRIAL_KEYS}}
+
+
+async def find_max_users(settings: BenchSettings, limit: float = 1024,
                          on_trial: Callable[[dict[str, Any]], None] | None = None
                          ) -> dict[str, Any]:
-    """Run closed-loop trials; the results of the best one, with a `search` object listing
-    every trial and `max_users`."""
+    """Run trials and return the results of the best one, with a `search` object listing
+    every trial and the answer: closed-loop trials for `max_users`, or, when `settings.rate`
+    is set, open-loop trials for `max_rate_rps`."""
     if not settings.slo:
         raise ValueError("--find-max-users needs --slo")
-    runs: dict[int, dict[str, Any]] = {}
+    by_rate = settings.rate is not None
+    runs: dict[float, dict[str, Any]] = {}
     trials: list[dict[str, Any]] = []
 
-    async def met(users: int) -> bool:
-        trial = replace(settings, concurrency=users, rate=None, seed=settings.seed + users,
-                        requests=trial_requests(settings, users))
-        runs[users] = await run_bench(trial)
-        s = runs[users]["summary"]
-        row = {"concurrency": users, "met": s["slo"]["met"], "attainment": s["slo"]["attainment"],
-               "output_throughput_tok_s": s["output_throughput_tok_s"],
-               "goodput_rps": s["goodput_rps"], "failed": s["failed"],
-               **{f"{k[:-3]}_p90_ms": s[k]["p90"] for k in TRIAL_KEYS}}
+    async def met(load: float) -> bool:
+        if by_rate:
+            trial = replace(settings, rate=load, seed=settings.seed + len(runs))
+        else:
+            trial = replace(settings, concurrency=int(load), seed=settings.seed + int(load),
+                            requests=trial_requests(settings, int(load)))
+        runs[load] = await run_bench(trial)
+        row = _trial_row(runs[load], **({"rate": load} if by_rate else {"concurrency": load}))
         trials.append(row)
         if on_trial is not None:
             on_trial(row)
         return row["met"]
 
-    best = await search_max(met, settings.concurrency or 1, limit)
+    if by_rate:
+        best = await search_max_rate(met, settings.rate, limit)
+        search = {"metric": "rate", "limit": limit, "max_rate_rps": best}
+    else:
+        best = await search_max(met, settings.concurrency or 1, int(limit))
+        search = {"metric": "concurrency", "limit": limit, "max_users": best}
     results = runs[best] if best else runs[min(runs)]
-    results["search"] = {"metric": "concurrency", "limit": limit, "max_users": best,
-                         "trials": trials}
+    results["search"] = {**search, "trials": trials}
     return results
 
 
