@@ -285,3 +285,20 @@ def test_find_max_rate_runs_open_loop_trials_up_to_the_limit(scripted, tmp_path)
     assert search["metric"] == "rate" and search["max_rate_rps"] == 200
     assert [t["rate"] for t in search["trials"]] == [50, 100, 200]
     assert results["settings"]["rate"] == 200 and results["summary"]["requests"] == 10
+
+
+def test_sweep_runs_each_load_and_lists_them(scripted, tmp_path):
+    from lifeline.cli import main
+
+    _, url = scripted
+    out = tmp_path / "sweep.json"
+    rc = main(["bench", "--url", url, "--model", "m", "--sweep", "1,2", "--requests", "4",
+               "--warmup", "0", "--input-tokens", "8", "--output-tokens", "4",
+               "--json", str(out), "--quiet"])
+    assert rc == 0
+    results = json.loads(out.read_text())
+    rows = results["sweep"]["trials"]
+    assert results["sweep"]["metric"] == "concurrency"
+    assert [r["concurrency"] for r in rows] == [1, 2] and all(r["met"] is None for r in rows)
+    assert all(r["output_throughput_tok_s"] > 0 for r in rows)
+    assert results["settings"]["concurrency"] == 2 and results["summary"]["requests"] == 8

@@ -53,6 +53,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     find.add_argument("--max-users", type=float, default=None,
                       help="the search's upper bound: users (default 256), or req/s with --rate "
                            "(default 64 × --rate)")
+    find.add_argument("--sweep", default=None, metavar="L1,L2,...",
+                      help="one run per load: users, or req/s with --rate (e.g. 1,2,4,8)")
     find.add_argument("--cost-per-hour", type=float, default=None,
                       help="dollars per hour of the server: adds users per GPU, $ per M tokens")
     find.add_argument("--gpus", type=float, default=1.0, help="GPUs behind the server")
@@ -75,7 +77,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from lifeline.bench.metrics import parse_fraction
     from lifeline.bench.report import LiveProgress, print_report, print_trial
     from lifeline.bench.run import BenchSettings, run_bench
-    from lifeline.bench.search import cost, find_max_users
+    from lifeline.bench.search import cost, find_max_users, sweep
 
     if args.action:
         return cmd_compare(args.action)
@@ -97,7 +99,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return 2
     console = Console()
     try:
-        if args.find_max_users:
+        if args.sweep:
+            loads = [float(x) for x in args.sweep.split(",") if x.strip()]
+            results = asyncio.run(sweep(settings, loads, lambda row: print_trial(console, row)))
+        elif args.find_max_users:
             limit = args.max_users or (256 if settings.rate is None else 64 * settings.rate)
             results = asyncio.run(find_max_users(settings, limit,
                                                  lambda row: print_trial(console, row)))

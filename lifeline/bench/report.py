@@ -86,9 +86,12 @@ def totals_table(results: dict[str, Any]) -> Table:
 
 
 def print_trial(console: Console, row: dict[str, Any]) -> None:
-    verdict = "[green]met[/]" if row["met"] else "[red]not met[/]"
     load = (f"{row['rate']:>8.2f} req/s" if "rate" in row else f"{row['concurrency']:>5} users")
-    console.print(f"{load}: SLO {verdict} by {row['attainment']:.0%}  "
+    verdict = ""
+    if row["met"] is not None:
+        verdict = "[green]met[/]" if row["met"] else "[red]not met[/]"
+        verdict = f"SLO {verdict} by {row['attainment']:.0%}  "
+    console.print(f"{load}: {verdict}"
                   f"TTFT p90 {_fmt(row['ttft_p90_ms'])} ms  TPOT p90 {_fmt(row['tpot_p90_ms'])} ms"
                   f"  {_fmt(row['output_throughput_tok_s'])} tok/s")
 

@@ -72,7 +72,8 @@ async def search_max_rate(met: Callable[[float], Awaitable[bool]], start: float,
 
 def _trial_row(results: dict[str, Any], **load: float) -> dict[str, Any]:
     s = results["summary"]
-    return {**load, "met": s["slo"]["met"], "attainment": s["slo"]["attainment"],
+    slo = s["slo"] or {"met": None, "attainment": None}
+    return {**load, "met": slo["met"], "attainment": slo["attainment"],
             "output_throughput_tok_s": s["output_throughput_tok_s"],
             "goodput_rps": s["goodput_rps"], "failed": s["failed"],
             **{f"{k[:-3]}_p90_ms": s[k]["p90"] for k in TRIAL_KEYS}}
@@ -91,12 +92,7 @@ async def find_max_users(settings: BenchSettings, limit: float = 1024,
     trials: list[dict[str, Any]] = []
 
     async def met(load: float) -> bool:
-        if by_rate:
-            trial = replace(settings, rate=load, seed=settings.seed + len(runs))
-        else:
-            trial = replace(settings, concurrency=int(load), seed=settings.seed + int(load),
-                            requests=trial_requests(settings, int(load)))
-        runs[load] = await run_bench(trial)
+        runs[load] = await _trial(settings, load, len(runs))
         row = _trial_row(runs[load], **({"rate": load} if by_rate else {"concurrency": load}))
         trials.append(row)
         if on_trial is not None:
@@ -111,6 +107,34 @@ async def find_max_users(settings: BenchSettings, limit: float = 1024,
         search = {"metric": "concurrency", "limit": limit, "max_users": best}
     results = runs[best] if best else runs[min(runs)]
     results["search"] = {**search, "trials": trials}
+    return results
+
+
+async def _trial(settings: BenchSettings, load: float, index: int) -> dict[str, Any]:
+    """One run at `load`: a rate when `settings.rate` is set, else a number of users. Each
+    trial has its own seed, so its prompts are not cached by the one before."""
+    if settings.rate is not None:
+        return await run_bench(replace(settings, rate=load, seed=settings.seed + index))
+    users = int(load)
+    return await run_bench(replace(settings, concurrency=users, seed=settings.seed + index,
+                                   requests=trial_requests(settings, users)))
+
+
+async def sweep(settings: BenchSettings, loads: list[float],
+                on_trial: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Runs at each load in turn (users, or rates with `settings.rate`); the last run's
+    results with a `sweep` object listing every run's headline numbers."""
+    if not loads:
+        raise ValueError("--sweep needs at least one load")
+    by_rate = settings.rate is not None
+    trials, results = [], {}
+    for i, load in enumerate(loads):
+        results = await _trial(settings, load, i)
+        row = _trial_row(results, **({"rate": load} if by_rate else {"concurrency": int(load)}))
+        trials.append(row)
+        if on_trial is not None:
+            on_trial(row)
+    results["sweep"] = {"metric": "rate" if by_rate else "concurrency", "trials": trials}
     return results
 
 
