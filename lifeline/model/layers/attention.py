@@ -103,15 +103,21 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     if past:
         k = k_cache[p.slots]
         v = v_cache[p.slots]
-    q_t, k_t, v_t = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    q_t, k_t, v_t = q.transpose(0, 1), _expand_heads(k, q), _expand_heads(v, q)
     if past == 0 and (window is None or p.num_tokens <= window):
-        o = F.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True, scale=scale,
-                                           enable_gqa=True)
+        o = F.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True, scale=scale)
     else:
         mask = _chunk_mask(p.num_tokens, p.context_len, window, q.device)
-        o = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, scale=scale,
-                                           enable_gqa=True)
+        o = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, scale=scale)
     return o.transpose(0, 1)
+
+
+def _expand_heads(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """[T, KVH, D] -> [H, T, D]. Expanded K/V let SDPA take its flash kernel on the CPU;
+    `enable_gqa=True` falls back to the slower math path."""
+    group = q.shape[1] // kv.shape[1]
+    kv = kv.transpose(0, 1)
+    return kv.repeat_interleave(group, dim=0) if group > 1 else kv
 
 
 def _chunk_mask(num_q: int, num_k: int, window: int | None, device: torch.device
