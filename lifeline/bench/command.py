@@ -63,6 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     out.add_argument("--slo-attainment", default="90%",
                      help="share of requests that must meet the SLO (default 90%%)")
     out.add_argument("--json", default=None, help="write the results here")
+    out.add_argument("--html", default=None, help="write a report with plots here")
     out.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     out.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -120,6 +121,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    if args.html:
+        from lifeline.bench.html import render
+        with open(args.html, "w") as f:
+            f.write(render(results))
     return 0
 
 
