@@ -302,3 +302,18 @@ def test_sweep_runs_each_load_and_lists_them(scripted, tmp_path):
     assert [r["concurrency"] for r in rows] == [1, 2] and all(r["met"] is None for r in rows)
     assert all(r["output_throughput_tok_s"] > 0 for r in rows)
     assert results["settings"]["concurrency"] == 2 and results["summary"]["requests"] == 8
+
+
+def test_conversation_lengths_come_in_pairs_from_the_shipped_trace(scripted):
+    from lifeline.bench.conversation import PAIRS
+
+    _, url = scripted
+
+    async def go():
+        async with BenchClient(url, "m") as c:
+            return await random_requests(ServerTokenizer(c), Lengths(1, 1, "conversation"), 5,
+                                         chat=False, seed=3)
+
+    reqs = asyncio.run(go())
+    assert all((len(r.prompt), r.max_tokens) in PAIRS for r in reqs)
+    assert len({(len(r.prompt), r.max_tokens) for r in reqs}) > 1

@@ -35,7 +35,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     work = p.add_argument_group("workload")
     work.add_argument("--input-tokens", type=int, default=128)
     work.add_argument("--output-tokens", type=int, default=128)
-    work.add_argument("--length-dist", choices=["fixed", "uniform", "normal"], default="fixed")
+    work.add_argument("--length-dist", choices=["fixed", "uniform", "normal", "conversation"],
+                      default="fixed",
+                      help="conversation: real (input, output) pairs from the Azure 2023 trace")
     work.add_argument("--length-spread", type=float, default=0.0,
                       help="uniform: ± this fraction of the mean; normal: its std / mean")
     work.add_argument("--prefix-groups", type=int, default=0,

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import httpx
 
+from lifeline.bench import conversation
 from lifeline.bench.client import BenchClient, BenchRequest
 
 WORDS = (
@@ -91,20 +92,29 @@ async def pick_tokenizer(client: BenchClient, local: str | None) -> Tokenizer:
 @dataclass(slots=True)
 class Lengths:
     """Input and output lengths: `fixed`, `uniform` (± spread × mean) or `normal` (standard
-    deviation spread × mean), each at least 1."""
+    deviation spread × mean), each at least 1; or `conversation`: (input, output) pairs of
+    real requests (`lifeline.bench.conversation`), the means unused."""
 
     input_tokens: int
     output_tokens: int
     dist: str = "fixed"
     spread: float = 0.0
 
+    DISTS = ("fixed", "uniform", "normal", "conversation")
+
     def __post_init__(self) -> None:
-        if self.dist not in ("fixed", "uniform", "normal"):
-            raise ValueError("length distribution is fixed, uniform or normal")
+        if self.dist not in self.DISTS:
+            raise ValueError(f"length distribution is one of {', '.join(self.DISTS)}")
         if self.input_tokens < 1 or self.output_tokens < 1 or self.spread < 0:
             raise ValueError("lengths are positive and the spread is non-negative")
 
-    def draw(self, rng: random.Random, mean: int) -> int:
+    def pair(self, rng: random.Random) -> tuple[int, int]:
+        """One request's (input, output) lengths."""
+        if self.dist == "conversation":
+            return conversation.draw(rng)
+        return self._draw(rng, self.input_tokens), self._draw(rng, self.output_tokens)
+
+    def _draw(self, rng: random.Random, mean: int) -> int:
         if self.dist == "uniform":
             return max(1, round(rng.uniform(mean * (1 - self.spread), mean * (1 + self.spread))))
         if self.dist == "normal":
@@ -129,8 +139,7 @@ async def random_requests(tk: Tokenizer, lengths: Lengths, count: int, *, chat: 
     prefixes = [await random_ids(tk, rng, prefix_tokens) for _ in range(prefix_groups)]
     out = []
     for i in range(count):
-        n_in, n_out = lengths.draw(rng, lengths.input_tokens), lengths.draw(
-            rng, lengths.output_tokens)
+        n_in, n_out = lengths.pair(rng)
         prefix = prefixes[i % prefix_groups] if prefixes else []
         ids = prefix + await random_ids(tk, rng, max(1, n_in - len(prefix)))
         prompt: str | list[int] = await tk.decode(ids) if chat else ids
