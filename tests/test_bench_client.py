@@ -317,3 +317,12 @@ def test_conversation_lengths_come_in_pairs_from_the_shipped_trace(scripted):
     reqs = asyncio.run(go())
     assert all((len(r.prompt), r.max_tokens) in PAIRS for r in reqs)
     assert len({(len(r.prompt), r.max_tokens) for r in reqs}) > 1
+
+
+def test_an_unreachable_server_is_a_message_not_a_traceback(capsys):
+    from lifeline.cli import main
+
+    url = f"http://127.0.0.1:{free_port()}/v1"
+    assert main(["bench", "--url", url, "--model", "m", "--requests", "2", "--quiet"]) == 1
+    assert f"cannot reach {url}" in capsys.readouterr().err
+    assert main(["bench", "--url", url, "--turns", "2"]) == 2  # sessions need chat

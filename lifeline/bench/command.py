@@ -112,6 +112,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         else:
             with LiveProgress(console, settings.requests, disable=args.quiet) as progress:
                 results = asyncio.run(run_bench(settings, progress.update))
+    except httpx.TransportError as exc:
+        print(f"lifeline bench: cannot reach {settings.url}: {exc}", file=sys.stderr)
+        return 1
     except (RuntimeError, ValueError, OSError, httpx.HTTPError) as exc:
         print(f"lifeline bench: {exc}", file=sys.stderr)
         return 1

@@ -159,7 +159,8 @@ async def _open(one, budget: _Budget, plan: LoadPlan) -> None:
 
     async def capped(req: BenchRequest, scheduled: float) -> None:
         if cap is None:
-            return await one(req, scheduled)
+            await one(req, scheduled)
+            return
         async with cap:
             await one(req, scheduled)
 

@@ -84,8 +84,9 @@ async def pick_tokenizer(client: BenchClient, local: str | None) -> Tokenizer:
     try:
         if await tk.encode("hello world"):
             return tk
-    except (httpx.HTTPError, RuntimeError, KeyError, ValueError):
-        pass
+    except (httpx.HTTPStatusError, httpx.DecodingError, RuntimeError, KeyError, TypeError,
+            ValueError):
+        pass  # it answered, but not as a tokenize endpoint; an unreachable server raises
     raise RuntimeError("the server has no /tokenize: pass --tokenizer PATH for exact lengths")
 
 
