@@ -31,6 +31,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     from lifeline import LLM, SamplingParams
@@ -49,14 +50,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
                             ignore_eos=args.ignore_eos)
     results = llm.generate(prompts, params)
-    table = Table("prompt", "completion", "tokens in/out", "TTFT ms", "decode tok/s", "finish")
-    for r in results:
+    table = Table("#", "tokens in/out", "TTFT ms", "decode tok/s", "cached", "finish")
+    for i, r in enumerate(results):
+        console.print(f"[bold]{escape(r.prompt or '')}[/bold]{escape(r.text)}", soft_wrap=True)
         tl = r.timeline
         ttft = (tl.first_token - tl.arrival) * 1e3
         decode_s = tl.token_times[-1] - tl.first_token if len(tl.token_times) > 1 else 0.0
         rate = (len(tl.token_times) - 1) / decode_s if decode_s else float("nan")
-        table.add_row(r.prompt or "", r.text, f"{len(r.prompt_token_ids)}/{len(r.token_ids)}",
-                      f"{ttft:.0f}", f"{rate:.1f}", r.finish_reason or "")
+        table.add_row(str(i), f"{len(r.prompt_token_ids)}/{len(r.token_ids)}", f"{ttft:.0f}",
+                      f"{rate:.1f}", str(r.num_cached_tokens), r.finish_reason or "")
     console.print(table)
     return 0
 

@@ -1,0 +1,37 @@
+"""The command line and the model sources a user can point Lifeline at."""
+import json
+
+import torch
+import transformers
+
+from lifeline import LLM, SamplingParams
+from lifeline.cli import main
+from lifeline.model.default import default_model_path
+
+
+def test_default_model_path_is_remembered_after_one_verified_assembly():
+    path = default_model_path()
+    marker = json.loads(path.with_suffix(".verified.json").read_text())
+    stat = path.stat()
+    assert marker == {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+    assert default_model_path() == path
+
+
+def test_lifeline_generate_prints_a_table_with_the_completion(capsys):
+    assert main(["generate", "The capital of France is", "--max-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "The capital of France is" in out and "TTFT" in out
+
+
+def test_dummy_weights_build_any_config_without_a_checkpoint(tmp_path):
+    cfg = transformers.Qwen3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+                                   vocab_size=128)
+    cfg.save_pretrained(tmp_path)
+    assert not list(tmp_path.glob("*.safetensors"))
+    llm = LLM(tmp_path, dummy_weights=True)
+    out = llm.generate({"prompt_token_ids": [1, 2, 3]},
+                       SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))[0]
+    assert len(out.token_ids) == 5
+    weights = dict(llm.loaded.model.named_parameters())
+    assert all(not p.is_meta and torch.isfinite(p).all() for p in weights.values())
