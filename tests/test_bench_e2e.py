@@ -136,3 +136,18 @@ def test_multi_turn_sessions_grow_the_prompt_and_hit_the_prefix_cache(server, tm
     first, last = by_turn[0][0]["usage_prompt_tokens"], by_turn[2][0]["usage_prompt_tokens"]
     assert last > first + 2 * 40  # two more prompts and two answers in the history
     assert all(r["server_timings"]["cached_tokens"] > 0 for r in by_turn[2])
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_exact_tokens_asks_for_logprobs_and_the_event_counts_agree_with_usage(server, tmp_path,
+                                                                              endpoint):
+    """Lifeline streams one token an event, so this checks that both endpoints accept the
+    logprobs request and the counts parsed from it; multi-token events are covered against the
+    scripted server."""
+    out = tmp_path / "exact.json"
+    rc = main(["bench", "--url", server.base_url + "/v1", "--endpoint", endpoint,
+               "--exact-tokens", "--concurrency", "2", "--requests", "4", "--warmup", "0",
+               "--input-tokens", "12", "--output-tokens", "5", "--json", str(out), "--quiet"])
+    assert rc == 0
+    records = json.loads(out.read_text())["requests"]
+    assert all(r["ok"] and r["event_tokens"] == r["usage_output_tokens"] == 5 for r in records)

@@ -48,6 +48,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="GGUF file or HF directory, when the server has no /tokenize")
     work.add_argument("--no-pin-output", action="store_true",
                       help="do not send ignore_eos/min_tokens (let the model stop)")
+    work.add_argument("--exact-tokens", action="store_true",
+                      help="request logprobs so multi-token events are counted exactly")
     work.add_argument("--seed", type=int, default=0)
     find = p.add_argument_group("capacity")
     find.add_argument("--find-max-users", action="store_true",
@@ -94,6 +96,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             length_dist=args.length_dist, length_spread=args.length_spread,
             prefix_groups=args.prefix_groups, prefix_tokens=args.prefix_tokens,
             dataset=args.dataset, tokenizer=args.tokenizer, pin_output=not args.no_pin_output,
+            exact_tokens=args.exact_tokens,
             slo=args.slo, slo_attainment=parse_fraction(args.slo_attainment), seed=args.seed,
             timeout_s=args.timeout, api_key=args.api_key)
         settings.plan()

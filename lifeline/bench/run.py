@@ -42,6 +42,8 @@ class BenchSettings:
     dataset: str | None = None
     tokenizer: str | None = None
     pin_output: bool = True
+    exact_tokens: bool = False
+    """Ask for logprobs so every event says how many tokens it carries."""
     slo: str | None = None
     slo_attainment: float = 0.9
     seed: int = 0
@@ -99,13 +101,21 @@ async def run_bench(settings: BenchSettings,
     connections = max(plan.concurrency or 1024, 16)  # never the client's bottleneck
     async with BenchClient(settings.url, settings.model or "", endpoint=settings.endpoint,
                            api_key=settings.api_key, max_connections=connections,
-                           timeout_s=settings.timeout_s, pin_output=settings.pin_output) as c:
+                           timeout_s=settings.timeout_s, pin_output=settings.pin_output,
+                           extra_body=logprobs_body(settings)) as c:
         if not settings.model:
             c.model = settings.model = await resolve_model(c)
         workload = await build_workload(settings, c)
         started = datetime.now(UTC)
         result = await run_load(c, cycle(workload), plan, on_done)
     return results(settings, result, slo, started)
+
+
+def logprobs_body(settings: BenchSettings) -> dict[str, Any]:
+    """The smallest logprobs request that makes each event list its tokens."""
+    if not settings.exact_tokens:
+        return {}
+    return {"logprobs": True} if settings.endpoint == "chat" else {"logprobs": 1}
 
 
 def results(settings: BenchSettings, result: RunResult, slo: Slo | None,
@@ -125,6 +135,8 @@ def results(settings: BenchSettings, result: RunResult, slo: Slo | None,
                   "expected_prompt_tokens": s.request.prompt_tokens,
                   "usage_prompt_tokens": s.trace.prompt_tokens,
                   "usage_output_tokens": s.trace.output_tokens,
+                  "events": len(s.trace.chunks),
+                  "event_tokens": sum(c.tokens for c in s.trace.chunks),
                   "server_timings": s.trace.server_timings, "ttft_split_ms": split,
                   "itl_ms": m.itl_ms, "tbt_ms": m.tbt_ms}
         records.append(record)
