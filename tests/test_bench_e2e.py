@@ -151,3 +151,15 @@ def test_exact_tokens_asks_for_logprobs_and_the_event_counts_agree_with_usage(se
     assert rc == 0
     records = json.loads(out.read_text())["requests"]
     assert all(r["ok"] and r["event_tokens"] == r["usage_output_tokens"] == 5 for r in records)
+
+
+def test_long_context_prompts_fill_the_servers_context(server, tmp_path):
+    out = tmp_path / "long.json"
+    rc = main(["bench", "--url", server.base_url + "/v1", "--long-context", "--concurrency", "2",
+               "--requests", "2", "--warmup", "0", "--output-tokens", "4", "--json", str(out),
+               "--quiet"])
+    assert rc == 0
+    results = json.loads(out.read_text())
+    context = httpx.get(server.base_url + "/v1/models").json()["data"][0]["max_model_len"]
+    assert results["settings"]["input_tokens"] == context - 4 - 16
+    assert all(r["ok"] and r["usage_prompt_tokens"] == context - 20 for r in results["requests"])

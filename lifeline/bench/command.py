@@ -35,6 +35,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     work = p.add_argument_group("workload")
     work.add_argument("--input-tokens", type=int, default=128)
     work.add_argument("--output-tokens", type=int, default=128)
+    work.add_argument("--long-context", action="store_true",
+                      help="prompts fill the server's context (less the output and 16 tokens)")
     work.add_argument("--length-dist", choices=["fixed", "uniform", "normal", "conversation"],
                       default="fixed",
                       help="conversation: real (input, output) pairs from the Azure 2023 trace")
@@ -96,7 +98,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             length_dist=args.length_dist, length_spread=args.length_spread,
             prefix_groups=args.prefix_groups, prefix_tokens=args.prefix_tokens,
             dataset=args.dataset, tokenizer=args.tokenizer, pin_output=not args.no_pin_output,
-            exact_tokens=args.exact_tokens,
+            exact_tokens=args.exact_tokens, long_context=args.long_context,
             slo=args.slo, slo_attainment=parse_fraction(args.slo_attainment), seed=args.seed,
             timeout_s=args.timeout, api_key=args.api_key)
         settings.plan()

@@ -44,6 +44,8 @@ class BenchSettings:
     pin_output: bool = True
     exact_tokens: bool = False
     """Ask for logprobs so every event says how many tokens it carries."""
+    long_context: bool = False
+    """Make prompts fill the server's context, less the output and a margin for specials."""
     slo: str | None = None
     slo_attainment: float = 0.9
     seed: int = 0
@@ -80,6 +82,23 @@ async def resolve_model(client: BenchClient) -> str:
     return r.json()["data"][0]["id"]
 
 
+CONTEXT_MARGIN = 16
+"""Tokens left free in a long-context prompt for BOS and the chat template."""
+
+
+async def context_length(client: BenchClient) -> int:
+    """The served model's context from `/models`: `max_model_len` (Lifeline, vLLM, SGLang) or
+    llama.cpp's `meta.n_ctx_train`."""
+    r = await client.http.get(client.base_url + "/models")
+    r.raise_for_status()
+    for entry in r.json()["data"]:
+        if entry.get("id") == client.model:
+            length = entry.get("max_model_len") or (entry.get("meta") or {}).get("n_ctx_train")
+            if length:
+                return int(length)
+    raise RuntimeError(f"{client.base_url}/models does not say {client.model}'s context length")
+
+
 async def build_workload(settings: BenchSettings, client: BenchClient) -> list:
     if settings.dataset:
         return jsonl_requests(settings.dataset, settings.output_tokens)
@@ -105,6 +124,11 @@ async def run_bench(settings: BenchSettings,
                            extra_body=logprobs_body(settings)) as c:
         if not settings.model:
             c.model = settings.model = await resolve_model(c)
+        if settings.long_context:
+            settings.input_tokens = (await context_length(c) - settings.output_tokens
+                                     - CONTEXT_MARGIN)
+            if settings.input_tokens < 1:
+                raise ValueError("--output-tokens leaves no room for a prompt in the context")
         workload = await build_workload(settings, c)
         started = datetime.now(UTC)
         result = await run_load(c, cycle(workload), plan, on_done)
