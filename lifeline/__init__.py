@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["LLM", "SamplingParams", "GenerationResult"]
+__all__ = ["LLM", "GenerationResult", "SamplingParams"]
 __version__ = "0.1.0"
 
 

@@ -9,7 +9,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 
 from lifeline.model.gguf_file import GGUFFile, UnsupportedTensorType
 

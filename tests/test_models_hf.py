@@ -10,8 +10,9 @@ from lifeline import LLM, SamplingParams
 
 DEVICE = os.environ.get("LIFELINE_TEST_DEVICE", "cpu")
 """A GPU check runs this file with LIFELINE_TEST_DEVICE=cuda; CI runs it on the CPU."""
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, vocab_size=320, max_position_embeddings=512, head_dim=32)
+TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 3,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 320,
+        "max_position_embeddings": 512, "head_dim": 32}
 
 
 def _config(kind: str):
@@ -61,7 +62,7 @@ def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
 
 
 def test_logits_match_transformers_with_chunked_prefill(tiny):
-    kind, model, path = tiny
+    _, model, path = tiny
     llm = LLM(path, max_num_batched_tokens=16, block_size=4, device=DEVICE)
     ids = _prompt(45, seed=1)
     ours = llm.prompt_logits(ids)

@@ -14,8 +14,6 @@ import pytest
 
 from lifeline.server.testing import free_port
 
-pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="SIGTERM")
-
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):

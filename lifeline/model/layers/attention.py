@@ -42,7 +42,7 @@ class AttentionMetadata:
     def to(self, device: torch.device | str) -> AttentionMetadata:
         if torch.device(device).type == "cpu":
             return self
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)
         prefills = [PrefillSeq(p.start, p.num_tokens, p.context_len, move(p.slots))
                     for p in self.prefills]
         return AttentionMetadata(move(self.slot_mapping), self.num_decodes,
