@@ -3,6 +3,12 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from lifeline.bench.run import BenchSettings
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -16,7 +22,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--api-key", default=None)
-    load = p.add_argument_group("load")
+    _load_args(p.add_argument_group("load"))
+    _workload_args(p.add_argument_group("workload"))
+    _capacity_args(p.add_argument_group("capacity"))
+    _result_args(p.add_argument_group("results"))
+
+
+def _load_args(load: argparse._ArgumentGroup) -> None:
     load.add_argument("--concurrency", type=int, default=None,
                       help="closed loop: users (default 1); with --rate: the most in flight")
     load.add_argument("--rate", type=float, default=None,
@@ -32,7 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       help="closed loop: mean seconds a user waits between requests")
     load.add_argument("--turns", type=int, default=1,
                       help="chat, closed loop: sessions of this many turns whose history grows")
-    work = p.add_argument_group("workload")
+
+
+def _workload_args(work: argparse._ArgumentGroup) -> None:
     work.add_argument("--input-tokens", type=int, default=128)
     work.add_argument("--output-tokens", type=int, default=128)
     work.add_argument("--long-context", action="store_true",
@@ -53,7 +67,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     work.add_argument("--exact-tokens", action="store_true",
                       help="request logprobs so multi-token events are counted exactly")
     work.add_argument("--seed", type=int, default=0)
-    find = p.add_argument_group("capacity")
+
+
+def _capacity_args(find: argparse._ArgumentGroup) -> None:
     find.add_argument("--find-max-users", action="store_true",
                       help="search the largest concurrency meeting --slo (Concurrent Users @ SLO)")
     find.add_argument("--max-users", type=float, default=None,
@@ -64,7 +80,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     find.add_argument("--cost-per-hour", type=float, default=None,
                       help="dollars per hour of the server: adds users per GPU, $ per M tokens")
     find.add_argument("--gpus", type=float, default=1.0, help="GPUs behind the server")
-    out = p.add_argument_group("results")
+
+
+def _result_args(out: argparse._ArgumentGroup) -> None:
     out.add_argument("--slo", default=None, help="per-request thresholds, e.g. ttft=2s,tpot=150ms")
     out.add_argument("--slo-attainment", default="90%",
                      help="share of requests that must meet the SLO (default 90%%)")
@@ -75,56 +93,81 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    import asyncio
-    import json
-
     import httpx
     from rich.console import Console
-
-    from lifeline.bench.metrics import parse_fraction
-    from lifeline.bench.report import LiveProgress, print_report, print_trial
-    from lifeline.bench.run import BenchSettings, run_bench
-    from lifeline.bench.search import cost, find_max_users, sweep
 
     if args.action:
         return cmd_compare(args.action)
     try:
-        settings = BenchSettings(
-            url=args.url, model=args.model, endpoint=args.endpoint, concurrency=args.concurrency,
-            rate=args.rate, burstiness=args.burstiness, requests=args.requests,
-            duration_s=args.duration, warmup=args.warmup, think_time_s=args.think_time,
-            turns=args.turns,
-            input_tokens=args.input_tokens, output_tokens=args.output_tokens,
-            length_dist=args.length_dist, length_spread=args.length_spread,
-            prefix_groups=args.prefix_groups, prefix_tokens=args.prefix_tokens,
-            dataset=args.dataset, tokenizer=args.tokenizer, pin_output=not args.no_pin_output,
-            exact_tokens=args.exact_tokens, long_context=args.long_context,
-            slo=args.slo, slo_attainment=parse_fraction(args.slo_attainment), seed=args.seed,
-            timeout_s=args.timeout, api_key=args.api_key)
-        settings.plan()
+        settings = settings_from(args)
     except ValueError as exc:
         print(f"lifeline bench: {exc}", file=sys.stderr)
         return 2
     console = Console()
     try:
-        if args.sweep:
-            loads = [float(x) for x in args.sweep.split(",") if x.strip()]
-            results = asyncio.run(sweep(settings, loads, lambda row: print_trial(console, row)))
-        elif args.find_max_users:
-            limit = args.max_users or (256 if settings.rate is None else 64 * settings.rate)
-            results = asyncio.run(find_max_users(settings, limit,
-                                                 lambda row: print_trial(console, row)))
-        else:
-            with LiveProgress(console, settings.requests, disable=args.quiet) as progress:
-                results = asyncio.run(run_bench(settings, progress.update))
+        results = _run(args, settings, console)
     except httpx.TransportError as exc:
         print(f"lifeline bench: cannot reach {settings.url}: {exc}", file=sys.stderr)
         return 1
     except (RuntimeError, ValueError, OSError, httpx.HTTPError) as exc:
         print(f"lifeline bench: {exc}", file=sys.stderr)
         return 1
+    _finish(args, results, console)
+    return 0
+
+
+def settings_from(args: argparse.Namespace) -> BenchSettings:
+    """The `BenchSettings` the flags describe (ValueError when they do not fit together)."""
+    from lifeline.bench.metrics import parse_fraction
+    from lifeline.bench.run import BenchSettings
+
+    settings = BenchSettings(
+        url=args.url, model=args.model, endpoint=args.endpoint, concurrency=args.concurrency,
+        rate=args.rate, burstiness=args.burstiness, requests=args.requests,
+        duration_s=args.duration, warmup=args.warmup, think_time_s=args.think_time,
+        turns=args.turns, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
+        length_dist=args.length_dist, length_spread=args.length_spread,
+        prefix_groups=args.prefix_groups, prefix_tokens=args.prefix_tokens,
+        dataset=args.dataset, tokenizer=args.tokenizer, pin_output=not args.no_pin_output,
+        exact_tokens=args.exact_tokens, long_context=args.long_context,
+        slo=args.slo, slo_attainment=parse_fraction(args.slo_attainment), seed=args.seed,
+        timeout_s=args.timeout, api_key=args.api_key)
+    settings.plan()
+    return settings
+
+
+def _run(args: argparse.Namespace, settings: BenchSettings, console: Console) -> dict[str, Any]:
+    """A sweep, a search, or one run with a progress bar."""
+    import asyncio
+
+    from lifeline.bench.report import LiveProgress, print_trial
+    from lifeline.bench.run import run_bench
+    from lifeline.bench.search import find_max_users, sweep
+
+    def trial(row: dict[str, Any]) -> None:
+        print_trial(console, row)
+
+    if args.sweep:
+        loads = [float(x) for x in args.sweep.split(",") if x.strip()]
+        return asyncio.run(sweep(settings, loads, trial))
+    if args.find_max_users:
+        limit = args.max_users or (256 if settings.rate is None else 64 * settings.rate)
+        return asyncio.run(find_max_users(settings, limit, trial))
+    with LiveProgress(console, settings.requests, disable=args.quiet) as progress:
+        return asyncio.run(run_bench(settings, progress.update))
+
+
+def _finish(args: argparse.Namespace, results: dict[str, Any], console: Console) -> None:
+    """Cost figures, the printed report, and the files asked for."""
+    import json
+
+    from lifeline.bench.html import render
+    from lifeline.bench.report import print_report
+    from lifeline.bench.search import cost
+
     if args.cost_per_hour is not None:
-        users = results["settings"]["concurrency"] if results["settings"]["rate"] is None else None
+        closed = results["settings"]["rate"] is None
+        users = results["settings"]["concurrency"] if closed else None
         results["summary"]["cost"] = cost(results["summary"], users, args.cost_per_hour,
                                           args.gpus)
     print_report(console, results)
@@ -132,10 +175,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     if args.html:
-        from lifeline.bench.html import render
         with open(args.html, "w") as f:
             f.write(render(results))
-    return 0
 
 
 def cmd_compare(action: list[str]) -> int:
