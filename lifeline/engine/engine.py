@@ -15,6 +15,7 @@ from lifeline.engine.sampling_params import SamplingParams
 from lifeline.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from lifeline.engine.stop import StopChecker
 from lifeline.model.loader import LoadedModel
+from lifeline.model.weight_format import apply_weight_format
 from lifeline.tokenizer import IncrementalDetokenizer
 
 
@@ -31,6 +32,9 @@ class EngineConfig:
     num_threads: int | None = None
     device: str = "cpu"
     """Where weights, KV cache and logits live ('cpu', 'cuda'); scheduling stays on the CPU."""
+    weights: str = "fp32"
+    """'fp32' (as loaded) or 'int8' (an int8 LM head; see model/weight_format.py);
+    applied to the loaded model in place."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -79,6 +83,9 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len),
             self.block_manager)
         loaded.model.to(config.device)
+        if config.weights != "fp32":
+            apply_weight_format(loaded.model, config.weights)
+            loaded.weight_format = f"{loaded.weight_format}->{config.weights}"
         self.runner = ModelRunner(loaded.model, mcfg, num_blocks, config.block_size,
                                   device=config.device)
         self.eos_token_ids = frozenset(getattr(self.tokenizer, "eos_token_ids", ()) or ())
