@@ -27,6 +27,8 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--weights", choices=["fp32", "int8"], default="fp32",
+                   help="int8: quantized LM head, faster decode, +3%% perplexity")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -45,7 +47,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     console = Console()
     with console.status("loading model"):
         llm = LLM(args.model, enable_prefix_caching=not args.no_prefix_caching,
-                  max_num_batched_tokens=args.max_num_batched_tokens)
+                  max_num_batched_tokens=args.max_num_batched_tokens, weights=args.weights)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
                             ignore_eos=args.ignore_eos)
@@ -90,6 +92,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--weights", choices=["fp32", "int8"], default="fp32",
+                   help="int8: quantized LM head, faster decode, +3%% perplexity")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -114,7 +118,8 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
     engine = EngineConfig(max_num_seqs=args.max_num_seqs,
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len,
-                          enable_prefix_caching=not args.no_prefix_caching)
+                          enable_prefix_caching=not args.no_prefix_caching,
+                          weights=args.weights)
     name = args.served_model_name
     if name is None and args.model:
         path = Path(args.model)
