@@ -18,7 +18,14 @@ FAMILIES = {
     "Qwen3ForCausalLM": "llama",
     "mistral": "llama",
     "MistralForCausalLM": "llama",
+    "qwen3_moe": "moe",
+    "Qwen3MoeForCausalLM": "moe",
+    "qwen2_moe": "moe",
+    "Qwen2MoeForCausalLM": "moe",
+    "mixtral": "moe",
+    "MixtralForCausalLM": "moe",
 }
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 
 @dataclass(slots=True)
@@ -47,6 +54,19 @@ class ModelConfig:
     qk_norm: bool = False
     attention_bias: bool = False
     name: str = ""
+    num_experts: int = 0
+    """Routed experts per MoE layer; 0 for a dense model."""
+    num_experts_per_tok: int = 0
+    """Experts each token is routed to (top-k)."""
+    moe_intermediate_size: int = 0
+    """Hidden width of one routed expert (Mixtral: `intermediate_size`)."""
+    shared_expert_intermediate_size: int = 0
+    """Width of the always-on shared expert (Qwen2-MoE); 0 for none."""
+    norm_topk_prob: bool = False
+    """Renormalize the top-k routing probabilities to sum to 1 (Mixtral, Qwen3-MoE checkpoints)."""
+    decoder_sparse_step: int = 1
+    """Every n-th layer is MoE (Qwen-MoE); the others, and `mlp_only_layers`, are dense."""
+    mlp_only_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -55,6 +75,10 @@ class ModelConfig:
             raise ValueError("layer_types must name every layer")
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts
+                                     and self.moe_intermediate_size > 0):
+            raise ValueError("an MoE model needs 0 < num_experts_per_tok <= num_experts "
+                             "and moe_intermediate_size > 0")
 
     @property
     def family(self) -> str:
@@ -68,12 +92,44 @@ class ModelConfig:
     def attn_scale(self) -> float:
         return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
 
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+    def expert_params(self) -> int:
+        """Weights of one routed expert (gate, up and down projections)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size
+
     def num_params(self) -> int:
-        h, d = self.hidden_size, self.head_dim
-        attn = h * d * (2 * self.num_heads + 2 * self.num_kv_heads)
-        mlp = 3 * h * self.intermediate_size
+        """Every weight the model holds, all experts included; a tied head counts once."""
+        return self._count_params(self.num_experts)
+
+    def num_active_params(self) -> int:
+        """Weights one token's forward pass touches, counted as model cards count them
+        (Mixtral 8x7B: 12.9B of 46.7B; Qwen3-30B-A3B: 3.3B of 30.5B): attention, norms, the
+        router, the top-k routed experts and the shared expert of every layer, plus the whole
+        embedding matrix and output head (a token reads only one embedding row, but cards count
+        it all). Equals `num_params()` for a dense model."""
+        return self._count_params(self.num_experts_per_tok)
+
+    def _count_params(self, experts_per_layer: int) -> int:
+        h = self.hidden_size
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * (attn + mlp) + embed
+        layers = sum(self._layer_params(i, experts_per_layer) for i in range(self.num_layers))
+        return layers + embed + h
+
+    def _layer_params(self, layer_idx: int, experts: int) -> int:
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        attn = h * (q + 2 * kv) + q * h
+        attn += (q + 2 * kv) * self.attention_bias + 2 * d * self.qk_norm
+        norms = h * (4 if self.family == "gemma3" else 2)
+        if not self.is_moe_layer(layer_idx):
+            return attn + norms + 3 * h * self.intermediate_size
+        shared = self.shared_expert_intermediate_size
+        ffn = self.num_experts * h + experts * self.expert_params()
+        ffn += (3 * h * shared + h) if shared else 0
+        return attn + norms + ffn
 
     def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
@@ -139,7 +195,7 @@ def config_from_hf(path: str | Path) -> ModelConfig:
         window, layer_types = None, []
     rope_params = raw.get("rope_parameters") or {}
     rope_scaling = raw.get("rope_scaling") or None
-    return ModelConfig(
+    cfg = ModelConfig(
         architecture=arch,
         vocab_size=raw["vocab_size"],
         hidden_size=hidden,
@@ -158,10 +214,25 @@ def config_from_hf(path: str | Path) -> ModelConfig:
         tie_word_embeddings=raw.get("tie_word_embeddings", arch == "gemma3_text"),
         query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
         hidden_act=raw.get("hidden_activation") or raw.get("hidden_act", "silu"),
-        qk_norm=arch in ("gemma3_text", "qwen3"),
-        attention_bias=raw.get("attention_bias", arch == "qwen2"),
+        qk_norm=arch in ("gemma3_text", "qwen3", "qwen3_moe"),
+        attention_bias=raw.get("attention_bias",
+                               raw.get("qkv_bias", arch in ("qwen2", "qwen2_moe"))),
         name=Path(path).name,
     )
+    if arch in MOE_ARCHITECTURES:
+        _set_moe_fields(cfg, raw)
+    return cfg
+
+
+def _set_moe_fields(cfg: ModelConfig, raw: dict[str, Any]) -> None:
+    cfg.num_experts = raw.get("num_experts") or raw["num_local_experts"]
+    cfg.num_experts_per_tok = raw["num_experts_per_tok"]
+    cfg.moe_intermediate_size = raw.get("moe_intermediate_size") or raw["intermediate_size"]
+    cfg.shared_expert_intermediate_size = raw.get("shared_expert_intermediate_size") or 0
+    cfg.norm_topk_prob = cfg.architecture == "mixtral" or raw.get("norm_topk_prob", False)
+    cfg.decoder_sparse_step = raw.get("decoder_sparse_step") or 1
+    cfg.mlp_only_layers = list(raw.get("mlp_only_layers") or [])
+    cfg.__post_init__()
 
 
 def _rope_theta(raw: dict[str, Any], rope_params: dict[str, Any]) -> float:

@@ -12,10 +12,12 @@ from torch import nn
 from lifeline.model.config import ModelConfig, config_from_gguf, config_from_hf
 from lifeline.model.gemma3 import Gemma3ForCausalLM
 from lifeline.model.llama import LlamaForCausalLM
+from lifeline.model.moe import MoEForCausalLM
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "gemma3": Gemma3ForCausalLM,
     "llama": LlamaForCausalLM,
+    "moe": MoEForCausalLM,
 }
 
 _GGUF_LAYER_NAMES = {
@@ -164,7 +166,10 @@ def load_hf(path: str | Path, dummy: bool = False) -> LoadedModel:
     if dummy:
         init_dummy_weights(model)
     else:
-        load_weights(model, _hf_weights(path), getattr(model, "norm_weight_offset", 0.0))
+        weights = _hf_weights(path)
+        if hasattr(model, "convert_hf_weights"):
+            weights = model.convert_hf_weights(weights)
+        load_weights(model, weights, getattr(model, "norm_weight_offset", 0.0))
     tokenizer = HFTokenizer(path) if (path / "tokenizer.json").exists() else None
     return LoadedModel(model.eval(), cfg, tokenizer, str(path), "safetensors")
 
