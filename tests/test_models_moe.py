@@ -1,5 +1,6 @@
 """Tiny random Qwen3-MoE, Mixtral and Qwen2-MoE models made with transformers: our engine must
 give the same logits and greedy continuations, count the same parameters, and report routing."""
+import json
 import os
 
 import pytest
@@ -113,3 +114,31 @@ def test_routing_stats_count_every_token_top_k_times(tiny):
     assert stats.expert_params_read() == sum(touched) * cfg.expert_params()
     stats.reset()
     assert stats.num_tokens() == 0 and stats.experts_touched() == [0] * len(stats.layers)
+
+
+CARDS = {  # published total and activated parameters, in billions, from each model card
+    "Qwen3-30B-A3B": (30.5, 3.3, {
+        "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+        "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "intermediate_size": 6144, "num_experts": 128,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 768}),
+    "Mixtral-8x7B": (46.7, 12.9, {
+        "model_type": "mixtral", "vocab_size": 32000, "hidden_size": 4096,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "intermediate_size": 14336, "num_local_experts": 8, "num_experts_per_tok": 2}),
+    "Qwen1.5-MoE-A2.7B": (14.3, 2.7, {
+        "model_type": "qwen2_moe", "vocab_size": 151936, "hidden_size": 2048,
+        "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "intermediate_size": 5632, "num_experts": 60, "num_experts_per_tok": 4,
+        "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CARDS))
+def test_total_and_active_parameters_match_model_cards(name, tmp_path):
+    total, active, raw = CARDS[name]
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    cfg = config_from_hf(tmp_path)
+    # Cards state one decimal, rounded or cut (Qwen3-30B-A3B's 3.35B is "3.3B").
+    assert cfg.num_params() / 1e9 == pytest.approx(total, abs=0.06)
+    assert cfg.num_active_params() / 1e9 == pytest.approx(active, abs=0.06)
