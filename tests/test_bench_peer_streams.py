@@ -151,6 +151,31 @@ def test_logprobs_give_exact_tokens_per_event(path: Path, monkeypatch):
     assert sum(c.tokens for c in trace.chunks) == _usage(doc)["completion_tokens"]
 
 
+@pytest.mark.parametrize("path", [p for p in STREAMS if "logprobs" in p.stem],
+                         ids=lambda p: p.stem)
+def test_logprobs_count_the_tokens_of_merged_events(path: Path, monkeypatch):
+    """The captured events merged in pairs, as a server with a stream interval sends them: the
+    client counts each event's logprobs entries (llama.cpp's completions list them under
+    `logprobs.content`, OpenAI's under `logprobs.tokens`)."""
+    doc = _load(path)
+    events = [(t, e) for t, e in _events(doc) if _carries_output(e)]
+    merged = []
+    for (_, a), (t, b) in zip(events[0::2], events[1::2], strict=False):
+        ca, cb = a["choices"][0], b["choices"][0]
+        choice = dict(cb, logprobs={k: ca["logprobs"][k] + cb["logprobs"][k]
+                                    for k in ca["logprobs"]})
+        if "delta" in cb:
+            choice["delta"] = dict(cb["delta"],
+                                   content=ca["delta"]["content"] + cb["delta"]["content"])
+        else:
+            choice["text"] = ca["text"] + cb["text"]
+        merged.append((t, dict(b, choices=[choice])))
+    lines = [[t, f"data: {json.dumps(e)}\n"] for t, e in merged] + \
+        [[merged[-1][0], "data: [DONE]\n"]]
+    trace, _ = _replay(dict(doc, lines=lines, closed=merged[-1][0]), monkeypatch)
+    assert [c.tokens for c in trace.chunks] == [2] * len(merged)
+
+
 @pytest.mark.parametrize("path", [p for p in STREAMS if _load(p)["peer"] == "llamacpp"],
                          ids=lambda p: p.stem)
 def test_llamacpp_timings_become_stages(path: Path, monkeypatch):

@@ -144,7 +144,8 @@ def _output_of(choice: dict[str, Any]) -> tuple[str, int]:
         logprobs = (choice.get("logprobs") or {}).get("content")
     else:
         reasoning, answer = None, choice.get("text")
-        logprobs = (choice.get("logprobs") or {}).get("tokens")
+        logprobs = choice.get("logprobs") or {}  # OpenAI: `tokens`; llama.cpp: `content`
+        logprobs = logprobs.get("tokens") or logprobs.get("content")
     if not (reasoning or answer):
         return ANSWER, 0
     kind = ANSWER if answer else REASONING
