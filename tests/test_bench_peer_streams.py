@@ -148,7 +148,15 @@ def test_logprobs_give_exact_tokens_per_event(path: Path, monkeypatch):
     """With logprobs each event lists its tokens: the counts need no apportioning."""
     doc = _load(path)
     trace, _ = _replay(doc, monkeypatch)
+    assert [c.tokens for c in trace.chunks] == \
+        [_entries(e) for _, e in _events(doc) if _carries_output(e)]
     assert sum(c.tokens for c in trace.chunks) == _usage(doc)["completion_tokens"]
+
+
+def _entries(event: dict) -> int:
+    """The logprobs entries of an event's first choice: one per token."""
+    logprobs = event["choices"][0]["logprobs"]
+    return len(logprobs.get("tokens") or logprobs.get("content"))
 
 
 @pytest.mark.parametrize("path", [p for p in STREAMS if "logprobs" in p.stem],
@@ -173,7 +181,8 @@ def test_logprobs_count_the_tokens_of_merged_events(path: Path, monkeypatch):
     lines = [[t, f"data: {json.dumps(e)}\n"] for t, e in merged] + \
         [[merged[-1][0], "data: [DONE]\n"]]
     trace, _ = _replay(dict(doc, lines=lines, closed=merged[-1][0]), monkeypatch)
-    assert [c.tokens for c in trace.chunks] == [2] * len(merged)
+    assert [c.tokens for c in trace.chunks] == [_entries(e) for _, e in merged]
+    assert any(c.tokens > 1 for c in trace.chunks)
 
 
 @pytest.mark.parametrize("path", [p for p in STREAMS if _load(p)["peer"] == "llamacpp"],
