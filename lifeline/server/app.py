@@ -139,11 +139,11 @@ def _model_card(state: ServerState) -> dict[str, Any]:
     if loaded is None:
         return card
     cfg = loaded.config
-    total = cfg.num_params()
     card.update({
         "root": loaded.source, "max_model_len": state.engine.max_model_len,
         "context_length": cfg.max_position, "architecture": cfg.architecture,
-        "parameters": {"total": total, "active": total}, "weight_format": loaded.weight_format,
+        "parameters": {"total": cfg.num_params(), "active": cfg.num_active_params()},
+        "weight_format": loaded.weight_format,
     })
     return card
 
