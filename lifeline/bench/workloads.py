@@ -49,9 +49,11 @@ class ServerTokenizer:
         for body in ({"model": self.client.model, "prompt": text, "add_special_tokens": False},
                      {"content": text, "add_special": False}):
             r = await self.client.http.post(root + "/tokenize", json=body)
-            if r.status_code == 200:
-                return [t if isinstance(t, int) else t["id"] for t in r.json()["tokens"]]
-        raise RuntimeError(f"{root}/tokenize answered {r.status_code}")
+            tokens = r.json().get("tokens") if r.status_code == 200 else None
+            # llama.cpp answers the vLLM-style body with 200 and no tokens: try its own body.
+            if tokens or (tokens is not None and not text):
+                return [t if isinstance(t, int) else t["id"] for t in tokens]
+        raise RuntimeError(f"{root}/tokenize answered {r.status_code} with no tokens")
 
     async def decode(self, ids: list[int]) -> str:
         root = self.client.server_root
