@@ -304,18 +304,24 @@ def test_sweep_runs_each_load_and_lists_them(scripted, tmp_path):
     assert results["settings"]["concurrency"] == 2 and results["summary"]["requests"] == 8
 
 
-def test_conversation_lengths_come_in_pairs_from_the_shipped_trace(scripted):
-    from lifeline.bench.conversation import PAIRS
+def test_conversation_lengths_come_in_pairs_from_a_trace_file(scripted, tmp_path):
+    from lifeline.bench.conversation import load_pairs
 
+    trace = tmp_path / "trace.csv"
+    trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n"
+                     "t0,374,44\nt1,1353,142\nt2,209,181\nt3,91,16\nt4,0,5\n")
+    pairs = load_pairs(trace)
+    assert pairs == ((374, 44), (1353, 142), (209, 181), (91, 16))
     _, url = scripted
 
     async def go():
         async with BenchClient(url, "m") as c:
-            return await random_requests(ServerTokenizer(c), Lengths(1, 1, "conversation"), 5,
+            return await random_requests(ServerTokenizer(c),
+                                         Lengths(1, 1, "conversation", pairs=pairs), 5,
                                          chat=False, seed=3)
 
     reqs = asyncio.run(go())
-    assert all((len(r.prompt), r.max_tokens) in PAIRS for r in reqs)
+    assert all((len(r.prompt), r.max_tokens) in pairs for r in reqs)
     assert len({(len(r.prompt), r.max_tokens) for r in reqs}) > 1
 
 

@@ -53,7 +53,10 @@ def _workload_args(work: argparse._ArgumentGroup) -> None:
                       help="prompts fill the server's context (less the output and 16 tokens)")
     work.add_argument("--length-dist", choices=["fixed", "uniform", "normal", "conversation"],
                       default="fixed",
-                      help="conversation: real (input, output) pairs from the Azure 2023 trace")
+                      help="conversation: (input, output) pairs drawn from --length-file")
+    work.add_argument("--length-file", default=None,
+                      help="a trace of real requests: CSV with ContextTokens,GeneratedTokens "
+                           "(Azure LLM inference trace format) or JSONL")
     work.add_argument("--length-spread", type=float, default=0.0,
                       help="uniform: ± this fraction of the mean; normal: its std / mean")
     work.add_argument("--prefix-groups", type=int, default=0,
@@ -127,6 +130,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         duration_s=args.duration, warmup=args.warmup, think_time_s=args.think_time,
         turns=args.turns, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
         length_dist=args.length_dist, length_spread=args.length_spread,
+        length_file=args.length_file,
         prefix_groups=args.prefix_groups, prefix_tokens=args.prefix_tokens,
         dataset=args.dataset, tokenizer=args.tokenizer, pin_output=not args.no_pin_output,
         exact_tokens=args.exact_tokens, long_context=args.long_context,

@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+from lifeline.bench import conversation
 from lifeline.bench.client import BenchClient
 from lifeline.bench.load import LoadPlan, RunResult, Sent, run_load
 from lifeline.bench.metrics import Slo, distribution, request_metrics, summarize
@@ -37,6 +38,7 @@ class BenchSettings:
     output_tokens: int = 128
     length_dist: str = "fixed"
     length_spread: float = 0.0
+    length_file: str | None = None
     prefix_groups: int = 0
     prefix_tokens: int = 0
     dataset: str | None = None
@@ -105,8 +107,9 @@ async def build_workload(settings: BenchSettings, client: BenchClient) -> list:
     count = (settings.requests + settings.warmup if settings.requests is not None
              else DISTINCT_PROMPTS)
     tk = await pick_tokenizer(client, settings.tokenizer)
+    pairs = conversation.load_pairs(settings.length_file) if settings.length_file else ()
     lengths = Lengths(settings.input_tokens, settings.output_tokens, settings.length_dist,
-                      settings.length_spread)
+                      settings.length_spread, pairs)
     return await random_requests(tk, lengths, count, chat=settings.endpoint == "chat",
                                  seed=settings.seed, prefix_groups=settings.prefix_groups,
                                  prefix_tokens=settings.prefix_tokens)

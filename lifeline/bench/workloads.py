@@ -96,12 +96,13 @@ async def pick_tokenizer(client: BenchClient, local: str | None) -> Tokenizer:
 class Lengths:
     """Input and output lengths: `fixed`, `uniform` (± spread × mean) or `normal` (standard
     deviation spread × mean), each at least 1; or `conversation`: (input, output) pairs of
-    real requests (`lifeline.bench.conversation`), the means unused."""
+    real requests from a trace file (`lifeline.bench.conversation`), the means unused."""
 
     input_tokens: int
     output_tokens: int
     dist: str = "fixed"
     spread: float = 0.0
+    pairs: tuple[tuple[int, int], ...] = ()
 
     DISTS = ("fixed", "uniform", "normal", "conversation")
 
@@ -110,11 +111,13 @@ class Lengths:
             raise ValueError(f"length distribution is one of {', '.join(self.DISTS)}")
         if self.input_tokens < 1 or self.output_tokens < 1 or self.spread < 0:
             raise ValueError("lengths are positive and the spread is non-negative")
+        if self.dist == "conversation" and not self.pairs:
+            raise ValueError("--length-dist conversation needs --length-file (a trace of pairs)")
 
     def pair(self, rng: random.Random) -> tuple[int, int]:
         """One request's (input, output) lengths."""
         if self.dist == "conversation":
-            return conversation.draw(rng)
+            return conversation.draw(self.pairs, rng)
         return self._draw(rng, self.input_tokens), self._draw(rng, self.output_tokens)
 
     def _draw(self, rng: random.Random, mean: int) -> int:
