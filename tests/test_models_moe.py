@@ -9,6 +9,7 @@ import transformers
 
 from lifeline import LLM, SamplingParams
 from lifeline.model.config import config_from_hf
+from tests.reference.tiny_hf import hf_greedy, random_prompt
 
 DEVICE = os.environ.get("LIFELINE_TEST_DEVICE", "cpu")
 TINY = {"hidden_size": 64, "num_hidden_layers": 3, "num_attention_heads": 4,
@@ -47,15 +48,7 @@ def tiny(request, tmp_path_factory):
 
 
 def _prompt(n: int, seed: int) -> list[int]:
-    return torch.randint(0, TINY["vocab_size"], (n,), generator=torch.Generator().manual_seed(seed)
-                         ).tolist()
-
-
-@torch.no_grad()
-def _hf_greedy(model, ids: list[int], n: int) -> list[int]:
-    out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
-                         min_new_tokens=n, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+    return random_prompt(n, seed, TINY["vocab_size"])
 
 
 def test_logits_match_transformers_with_chunked_prefill(tiny):
@@ -77,7 +70,7 @@ def test_greedy_continuations_identical_batched_and_alone(tiny):
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
     batched = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
     for p, result in zip(prompts, batched):
-        assert result.token_ids == _hf_greedy(model, p, 10), kind
+        assert result.token_ids == hf_greedy(model, p, 10), kind
         alone = llm.generate({"prompt_token_ids": p}, params)[0]
         assert alone.token_ids == result.token_ids
 
