@@ -135,3 +135,54 @@ def test_total_and_active_parameters_match_model_cards(name, tmp_path):
     # Cards state one decimal, rounded or cut (Qwen3-30B-A3B's 3.35B is "3.3B").
     assert cfg.num_params() / 1e9 == pytest.approx(total, abs=0.06)
     assert cfg.num_active_params() / 1e9 == pytest.approx(active, abs=0.06)
+
+
+def _hf_routing(model, ids: list[int], top_k: int) -> torch.Tensor:
+    """(token, expert) pairs per MoE layer and expert, from transformers' own router logits."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), output_router_logits=True).router_logits
+    return torch.stack([torch.bincount(layer.topk(top_k, dim=-1).indices.flatten(),
+                                       minlength=layer.shape[-1]) for layer in logits])
+
+
+def test_per_request_routing_matches_the_transformers_router(tiny):
+    kind, model, path = tiny
+    llm = LLM(path, max_num_batched_tokens=24, block_size=4, num_kv_blocks=64, device=DEVICE)
+    cfg = llm.loaded.config
+    prompts = [_prompt(n, seed=100 + n) for n in (5, 21, 12)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    results = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    steps = list(llm.engine.moe.recent)
+    total_read = 0.0
+    for p, result in zip(prompts, results):
+        usage = result.timeline.moe
+        ran = p + result.token_ids[:-1]  # the last token is sampled, never fed back
+        assert usage.tokens == len(ran)
+        assert torch.equal(usage.counts, _hf_routing(model, ran, cfg.num_experts_per_tok)), kind
+        summary = usage.summary()
+        touched = (usage.counts > 0).sum(dim=1).tolist()
+        assert summary["experts_touched_per_layer"] == touched
+        assert summary["tokens_per_expert_max"] == int(usage.counts.max())
+        assert summary["active_params_per_token"] == cfg.num_active_params()
+        total_read += usage.weights_read
+    # Every step's reads are shared out over its requests, nothing lost or counted twice.
+    assert total_read == pytest.approx(sum(s.weights_read for s in steps))
+    assert sum(s.tokens for s in steps) == sum(r.timeline.moe.tokens for r in results)
+    assert llm.engine.moe.usage == {}  # finished requests leave nothing behind
+
+
+def test_a_lone_decode_step_reads_exactly_the_active_weights(tiny):
+    _, _, path = tiny
+    llm = LLM(path, num_kv_blocks=64, block_size=4, device=DEVICE)
+    cfg = llm.loaded.config
+    llm.generate({"prompt_token_ids": _prompt(7, seed=3)},
+                 SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
+    step = llm.engine.moe.last_step  # one request decoding: one token
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_layers))
+    assert step.tokens == 1 and step.experts_touched == [cfg.num_experts_per_tok] * moe_layers
+    assert step.weights_read == (cfg.static_params_read()
+                                 + moe_layers * cfg.num_experts_per_tok * cfg.expert_params())
+    # Whatever is not read by one token is exactly the idle experts (and an untied embedding).
+    idle = moe_layers * (cfg.num_experts - cfg.num_experts_per_tok) * cfg.expert_params()
+    embed = 0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size
+    assert cfg.num_params() - step.weights_read == idle + embed

@@ -9,6 +9,7 @@ import torch
 
 from lifeline.engine.block_manager import BlockManager
 from lifeline.engine.model_runner import ModelRunner, StepInputs
+from lifeline.engine.moe_usage import MoEAccounting
 from lifeline.engine.request import FinishReason, Request, RequestStatus
 from lifeline.engine.sampler import Sampler, SamplingInput, TokenLogprobs, make_generator
 from lifeline.engine.sampling_params import SamplingParams
@@ -88,6 +89,9 @@ class LLMEngine:
             loaded.weight_format = f"{loaded.weight_format}->{config.weights}"
         self.runner = ModelRunner(loaded.model, mcfg, num_blocks, config.block_size,
                                   device=config.device)
+        stats = getattr(loaded.model, "moe_stats", None)
+        self.moe = MoEAccounting(mcfg, stats) if stats is not None else None
+        """Routing accounting of an MoE model (None for a dense one)."""
         self.eos_token_ids = frozenset(getattr(self.tokenizer, "eos_token_ids", ()) or ())
         self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, Request] = {}
@@ -178,7 +182,12 @@ class LLMEngine:
             return []
         inputs = self.runner.prepare(out)
         started = self.clock()
+        if self.moe is not None:
+            self.moe.begin(inputs.segments, len(inputs.order))
         logits = self.runner.execute(inputs)
+        if self.moe is not None:
+            self.moe.end([s.request.request_id for s in inputs.order],
+                         [s.num_new_tokens for s in inputs.order])
         self._record_prompt_logits(inputs, logits)
         sampled = self._sample(inputs, logits)
         done = self.clock()
@@ -251,6 +260,8 @@ class LLMEngine:
         return delta
 
     def _release(self, req: Request) -> None:
+        if self.moe is not None:
+            req.timeline.moe = self.moe.finish(req.request_id)
         self.requests.pop(req.request_id, None)
         self._outputs.pop(req.request_id, None)
 

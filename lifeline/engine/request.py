@@ -42,6 +42,9 @@ class Timeline:
     finished: float | None = None
     detokenize_s: float = 0.0
     """Engine-thread time spent detokenizing and checking stop strings for this request."""
+    moe: Any = None
+    """Expert routing of an MoE model's request (`lifeline.engine.moe_usage.MoEUsage`), set
+    when the request leaves the engine; None for a dense model."""
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__}

@@ -112,6 +112,14 @@ class ModelConfig:
         it all). Equals `num_params()` for a dense model."""
         return self._count_params(self.num_experts_per_tok)
 
+    def static_params_read(self) -> int:
+        """Weights every forward pass streams whatever the routing: all but the routed experts
+        and, for an untied model, the input embedding table (a pass reads only its rows)."""
+        num_moe = sum(self.is_moe_layer(i) for i in range(self.num_layers))
+        experts = num_moe * self.num_experts * self.expert_params()
+        embed = 0 if self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        return self.num_params() - experts - embed
+
     def _count_params(self, experts_per_layer: int) -> int:
         h = self.hidden_size
         embed = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)

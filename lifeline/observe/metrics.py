@@ -78,6 +78,7 @@ class Metrics:
                                         "Prompt tokens found in the prefix cache.", label)
         self.preemptions = self._counter("num_preemptions",
                                          "Requests preempted (to be recomputed).", label)
+        self._moe: _MoEMetrics | None = None
         self._success = Counter("lifeline:request_success", "Finished requests by reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
         self._model_name = model_name
@@ -111,6 +112,11 @@ class Metrics:
             self._advance(self.cache_queries, "queries", blocks.stats.queries)
             self._advance(self.cache_hits, "hits", blocks.stats.hits)
             self._advance(self.preemptions, "preemptions", scheduler.num_preemptions)
+            moe = getattr(engine, "moe", None)
+            if moe is not None:
+                if self._moe is None:
+                    self._moe = _MoEMetrics(self.registry, self._model_name, moe)
+                self._moe.update(moe)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its content type."""
@@ -136,3 +142,63 @@ class Metrics:
     def _counter(self, name: str, doc: str, label: list[str]):
         return Counter(f"lifeline:{name}", doc, ["model_name"],
                        registry=self.registry).labels(*label)
+
+
+class _MoEMetrics:
+    """Routing of an MoE model: per-step histograms, the cumulative load of every (layer,
+    expert), and the model's total vs active parameters. Definitions in
+    `lifeline.engine.moe_usage`."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, moe: Any):
+        cfg = moe.config
+        label = ["model_name"]
+        experts = tuple(float(n) for n in range(1, cfg.num_experts + 1))
+        self.touched = Histogram(
+            "lifeline:moe_experts_touched_per_layer",
+            "Distinct experts run per MoE layer in one step (mean over layers).", label,
+            buckets=_few(experts), registry=registry).labels(model_name)
+        self.load = Histogram(
+            "lifeline:moe_tokens_per_expert",
+            "(token, expert) pairs per touched expert in one step (mean over layers).", label,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096), registry=registry,
+        ).labels(model_name)
+        read = cfg.static_params_read() + len(moe.stats.layers) * cfg.num_experts_per_tok * (
+            cfg.expert_params())
+        self.read = Histogram(
+            "lifeline:moe_weights_read_per_token",
+            "Weights a step streams (non-expert ones plus each touched expert once) per token "
+            "it ran.", label, buckets=tuple(read / d for d in (256, 64, 16, 8, 4, 2, 1.5, 1)),
+            registry=registry).labels(model_name)
+        self.pairs = Counter("lifeline:moe_expert_tokens",
+                             "(token, expert) pairs routed to each expert of each MoE layer.",
+                             ["model_name", "layer", "expert"], registry=registry)
+        params = Gauge("lifeline:model_parameters", "Model weights: all of them, and those one "
+                       "token's forward pass uses (MoE: top-k experts).",
+                       ["model_name", "kind"], registry=registry)
+        params.labels(model_name, "total").set(cfg.num_params())
+        params.labels(model_name, "active").set(cfg.num_active_params())
+        self.model_name = model_name
+        self.layers = moe.stats.layers
+        self.seen = None
+
+    def update(self, moe: Any) -> None:
+        while moe.recent:
+            step = moe.recent.popleft()
+            self.touched.observe(step.experts_touched_mean)
+            self.load.observe(step.tokens_per_expert_mean)
+            self.read.observe(step.weights_read_per_token)
+        totals = moe.totals
+        delta = totals if self.seen is None or self.seen.shape != totals.shape else (
+            totals - self.seen)
+        self.seen = totals
+        for row, expert in (delta > 0).nonzero().tolist():
+            self.pairs.labels(self.model_name, str(self.layers[row]), str(expert)).inc(
+                int(delta[row, expert]))
+
+
+def _few(values: tuple[float, ...], most: int = 16) -> tuple[float, ...]:
+    """At most `most` of the values, evenly spaced, the last one kept."""
+    if len(values) <= most:
+        return values
+    step = len(values) / most
+    return tuple(sorted({values[int(i * step)] for i in range(most)} | {values[-1]}))

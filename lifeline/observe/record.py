@@ -120,6 +120,8 @@ class RequestRecord:
     """Time spent inside response writes (overlaps decode when streaming)."""
     prompt_anatomy: dict[str, int] | None = None
     """Prompt tokens by origin (system, tools, history, latest turn, scaffolding), if known."""
+    moe: dict[str, Any] | None = None
+    """An MoE model's routing for this request (`MoEUsage.summary`); None for a dense model."""
 
     @classmethod
     def build(cls, stamps: ServerStamps, timeline: Timeline, *, request_id: str, model: str,
@@ -158,7 +160,8 @@ class RequestRecord:
             prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
             completion_tokens=completion_tokens, reasoning_tokens=reasoning_tokens,
             preemptions=len(timeline.preemptions), write=stamps.stream_s,
-            prompt_anatomy=anatomy)
+            prompt_anatomy=anatomy,
+            moe=timeline.moe.summary() if timeline.moe is not None else None)
 
     def stage_seconds(self) -> dict[str, float]:
         """Each stage's duration, in `STAGES` order."""
@@ -197,6 +200,8 @@ class RequestRecord:
         out["decode_tok_s"] = self.decode_tok_s
         out["preemptions"] = self.preemptions
         out["prompt_anatomy"] = self.prompt_anatomy
+        if self.moe is not None:
+            out["moe"] = self.moe
         return out
 
     def server_timing_header(self) -> str:
@@ -242,7 +247,12 @@ def combine_timelines(timelines: Sequence[Timeline]) -> Timeline:
         preemptions=sorted(p for t in timelines for p in t.preemptions),
         finished=max(ends, default=None),
         detokenize_s=sum(t.detokenize_s for t in timelines),
+        moe=_merged_moe([t.moe for t in timelines if t.moe is not None]),
     )
+
+
+def _merged_moe(usages: list[Any]) -> Any:
+    return type(usages[0]).merged(usages) if usages else None
 
 
 def _engine_end(timeline: Timeline, last_byte: float, tokenized: float) -> float:

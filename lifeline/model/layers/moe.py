@@ -21,38 +21,60 @@ from lifeline.model.layers.linear import ACTIVATIONS, GatedMLP, linear
 
 @dataclass(slots=True)
 class MoEStats:
-    """Expert routing of every forward pass since the last `reset()`. The caller resets it once
-    per step, runs the step, then reads it; recording costs one `bincount` per MoE layer."""
+    """Expert routing of every forward pass since the last `reset()`, split by segment (the
+    engine makes each scheduled request one segment). The caller resets it once per step, runs
+    the step, then reads it; recording costs one `bincount` per MoE layer."""
 
-    tokens_per_expert: torch.Tensor
-    """`[num_moe_layers, num_experts]` (token, expert) pairs routed to each expert; each row sums
-    to tokens × top-k."""
+    counts: torch.Tensor
+    """`[num_moe_layers, num_segments, num_experts]` (token, expert) pairs routed to each
+    expert by each segment's tokens."""
     layers: list[int]
     """Decoder layer index of each row (dense layers have none)."""
     top_k: int
     expert_params: int
     """Weights of one routed expert."""
+    segments: torch.Tensor | None = None
+    """Segment of each token of the next forward passes; None: all one segment."""
 
     @classmethod
     def for_config(cls, cfg: ModelConfig) -> MoEStats:
         layers = [i for i in range(cfg.num_layers) if cfg.is_moe_layer(i)]
-        counts = torch.zeros(len(layers), cfg.num_experts, dtype=torch.long)
+        counts = torch.zeros(len(layers), 1, cfg.num_experts, dtype=torch.long)
         return cls(counts, layers, cfg.num_experts_per_tok, cfg.expert_params())
 
-    def reset(self) -> None:
+    def reset(self, segments: torch.Tensor | None = None, num_segments: int = 1) -> None:
+        """Zero the counts; `segments` `[N]` (values < `num_segments`) labels the tokens of the
+        forward passes that follow."""
         # A fresh tensor rather than zero_(): the old one may be an inference-mode tensor.
-        self.tokens_per_expert = torch.zeros_like(self.tokens_per_expert)
+        layers, _, experts = self.counts.shape
+        self.counts = torch.zeros(layers, num_segments, experts, dtype=torch.long,
+                                  device=self.counts.device)
+        self.segments = segments
 
-    def record(self, row: int, counts: torch.Tensor) -> None:
-        if self.tokens_per_expert.device != counts.device:
-            self.tokens_per_expert = self.tokens_per_expert.to(counts.device)
-        self.tokens_per_expert[row] += counts
+    def record(self, row: int, experts: torch.Tensor) -> torch.Tensor:
+        """Count one layer's routing (`experts` `[N, k]`); returns pairs per expert `[E]`."""
+        num_segments, num_experts = self.counts.shape[1:]
+        flat = experts.flatten()
+        if self.segments is not None and num_segments > 1:
+            seg = self.segments.to(flat.device).repeat_interleave(experts.shape[1])
+            flat = seg * num_experts + flat
+        per_segment = torch.bincount(flat, minlength=num_segments * num_experts)
+        per_segment = per_segment.view(num_segments, num_experts)
+        if self.counts.device != per_segment.device:
+            self.counts = self.counts.to(per_segment.device)
+        self.counts[row] += per_segment
+        return per_segment.sum(dim=0)
+
+    @property
+    def tokens_per_expert(self) -> torch.Tensor:
+        """`[num_moe_layers, num_experts]`; each row sums to tokens × top-k."""
+        return self.counts.sum(dim=1)
 
     def num_tokens(self) -> int:
         """Tokens that went through the MoE layers since the reset."""
         if not self.layers:
             return 0
-        return int(self.tokens_per_expert[0].sum()) // self.top_k
+        return int(self.counts[0].sum()) // self.top_k
 
     def experts_touched(self) -> list[int]:
         """Distinct experts that ran, per MoE layer."""
@@ -122,8 +144,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, experts = route(self.gate(x), self.top_k, self.normalize)
-        counts = torch.bincount(experts.flatten(), minlength=self.num_experts)
-        self.stats.record(self.row, counts)
+        counts = self.stats.record(self.row, experts)
         out = self.experts(x, weights, experts, counts)
         if self.has_shared:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
