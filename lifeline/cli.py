@@ -12,11 +12,14 @@ from lifeline.bench.command import cmd_bench
 if TYPE_CHECKING:
     from lifeline.server.config import ServerConfig
 
+MODEL_HELP = ("GGUF file, HF directory, or preset:NAME (random weights, token-id prompts; "
+              "lifeline/model/presets.py) (default: Gemma 3 270M)")
+
 
 def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text offline with the engine")
     p.add_argument("prompt", nargs="*", help="prompt text (several prompts run as one batch)")
-    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: Gemma 3 270M)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--prompts-file", type=Path, help="one prompt per line")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.0)
@@ -67,7 +70,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the model behind an OpenAI-compatible API")
-    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: Gemma 3 270M)")
+    p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None,
@@ -123,7 +126,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
     name = args.served_model_name
     if name is None and args.model:
         path = Path(args.model)
-        name = path.stem if path.suffix == ".gguf" else path.name
+        name = path.stem if path.suffix == ".gguf" else path.name.removeprefix("preset:")
     return ServerConfig(
         host=args.host, port=args.port, served_model_name=name,
         chat_template=args.chat_template,

@@ -54,7 +54,7 @@ class MoEStep:
 class MoEUsage:
     """One request's routing over its life (recomputation after preemption included)."""
 
-    __slots__ = ("config", "counts", "weights_read", "tokens")
+    __slots__ = ("config", "counts", "tokens", "weights_read")
 
     def __init__(self, config: ModelConfig, num_layers: int):
         self.config = config

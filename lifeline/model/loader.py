@@ -174,7 +174,20 @@ def load_hf(path: str | Path, dummy: bool = False) -> LoadedModel:
     return LoadedModel(model.eval(), cfg, tokenizer, str(path), "safetensors")
 
 
+def load_preset(name: str, seed: int = 0) -> LoadedModel:
+    """A preset architecture (lifeline/model/presets.py) with random weights, no tokenizer."""
+    from lifeline.model.presets import preset_config
+
+    cfg = preset_config(name)
+    model = build_model(cfg)
+    init_dummy_weights(model, seed)
+    return LoadedModel(model.eval(), cfg, None, f"preset:{name}", "dummy-f32")
+
+
 def load_model(path: str | Path | None = None, dummy: bool = False) -> LoadedModel:
+    """A GGUF file, a Hugging Face directory, or `preset:NAME` (random weights)."""
+    if isinstance(path, str) and path.startswith("preset:"):
+        return load_preset(path.removeprefix("preset:"))
     if path is None:
         from lifeline.model.default import default_model_path
 

@@ -1,0 +1,120 @@
+"""Shapes of real architectures, for dummy-weight performance work and the planner.
+
+Two kinds:
+
+- Full size (`FULL`): the published configuration of a real model, shapes only. `shape_model`
+  builds it on the meta device, so a 46.7B Mixtral costs no memory; parameter counts match the
+  model cards (tests/test_presets.py).
+- Scaled (`SCALED`): the dense-vs-MoE experiment at a size this machine runs. Three models that
+  differ only in the feed-forward block, each with more than 300 MB of fp32 weights so decode
+  streams weights from memory rather than cache:
+  `scaled-moe` (Qwen3-MoE layout: 64 experts, top-4), `scaled-dense-same-total` (its dense twin
+  with the same total weights: one MLP as wide as all experts) and `scaled-dense-same-active`
+  (the dense twin with the same active weights: an MLP as wide as the top-4 experts).
+
+`load_model("preset:NAME")` builds a preset with random weights (no tokenizer: prompts are
+token ids).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from lifeline.model.config import ModelConfig, gemma3_layer_types
+
+_QWEN3 = {"vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+          "qk_norm": True, "head_dim": 128, "max_position": 40960}
+_LLAMA2 = {"vocab_size": 32000, "rms_norm_eps": 1e-5, "head_dim": 128, "max_position": 4096}
+
+
+def _gemma3(hidden: int, layers: int, heads: int, kv: int, head_dim: int, inter: int,
+            window: int, vocab: int, max_position: int) -> dict[str, Any]:
+    return {"architecture": "gemma3_text", "vocab_size": vocab, "hidden_size": hidden,
+            "num_layers": layers, "num_heads": heads, "num_kv_heads": kv, "head_dim": head_dim,
+            "intermediate_size": inter, "sliding_window": window,
+            "layer_types": gemma3_layer_types(layers), "rope_theta": 1_000_000.0,
+            "rope_local_theta": 10_000.0, "query_pre_attn_scalar": head_dim,
+            "hidden_act": "gelu_pytorch_tanh", "qk_norm": True, "tie_word_embeddings": True,
+            "max_position": max_position}
+
+
+FULL: dict[str, dict[str, Any]] = {
+    # Dense, MHA
+    "llama-2-7b": {**_LLAMA2, "architecture": "llama", "hidden_size": 4096, "num_layers": 32,
+                   "num_heads": 32, "num_kv_heads": 32, "intermediate_size": 11008},
+    # Dense, GQA
+    "llama-3.1-8b": {"architecture": "llama", "vocab_size": 128256, "hidden_size": 4096,
+                     "num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128,
+                     "intermediate_size": 14336, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+                     "max_position": 131072},
+    "mistral-7b-v0.1": {**_LLAMA2, "architecture": "mistral", "hidden_size": 4096,
+                        "num_layers": 32, "num_heads": 32, "num_kv_heads": 8,
+                        "intermediate_size": 14336, "max_position": 32768,
+                        "sliding_window": 4096, "layer_types": ["sliding"] * 32},
+    "qwen3-8b": {**_QWEN3, "architecture": "qwen3", "hidden_size": 4096, "num_layers": 36,
+                 "num_heads": 32, "num_kv_heads": 8, "intermediate_size": 12288},
+    "qwen3-32b": {**_QWEN3, "architecture": "qwen3", "hidden_size": 5120, "num_layers": 64,
+                  "num_heads": 64, "num_kv_heads": 8, "intermediate_size": 25600},
+    # Hybrid sliding-window / global attention (5:1), MQA at the small sizes
+    "gemma-3-270m": _gemma3(640, 18, 4, 1, 256, 2048, 512, 262144, 32768),
+    "gemma-3-1b": _gemma3(1152, 26, 4, 1, 256, 6912, 512, 262144, 32768),
+    "gemma-3-27b": _gemma3(5376, 62, 32, 16, 128, 21504, 1024, 262208, 131072),
+    # MoE
+    "mixtral-8x7b": {"architecture": "mixtral", "vocab_size": 32000, "hidden_size": 4096,
+                     "num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128,
+                     "intermediate_size": 14336, "rms_norm_eps": 1e-5,
+                     "rope_theta": 1_000_000.0, "max_position": 32768, "num_experts": 8,
+                     "num_experts_per_tok": 2, "moe_intermediate_size": 14336,
+                     "norm_topk_prob": True},
+    "qwen3-30b-a3b": {**_QWEN3, "architecture": "qwen3_moe", "hidden_size": 2048,
+                      "num_layers": 48, "num_heads": 32, "num_kv_heads": 4,
+                      "intermediate_size": 6144, "num_experts": 128, "num_experts_per_tok": 8,
+                      "moe_intermediate_size": 768, "norm_topk_prob": True},
+    "qwen1.5-moe-a2.7b": {"architecture": "qwen2_moe", "vocab_size": 151936,
+                          "hidden_size": 2048, "num_layers": 24, "num_heads": 16,
+                          "num_kv_heads": 16, "head_dim": 128, "intermediate_size": 5632,
+                          "attention_bias": True, "max_position": 8192, "num_experts": 60,
+                          "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
+                          "shared_expert_intermediate_size": 5632},
+}
+
+_SCALED_BASE = {"vocab_size": 32000, "hidden_size": 768, "num_layers": 8, "num_heads": 12,
+                "num_kv_heads": 4, "head_dim": 64, "rms_norm_eps": 1e-6,
+                "rope_theta": 1_000_000.0, "qk_norm": True, "max_position": 4096}
+_EXPERTS, _TOP_K, _EXPERT_WIDTH = 64, 4, 256
+
+SCALED: dict[str, dict[str, Any]] = {
+    "scaled-moe": {**_SCALED_BASE, "architecture": "qwen3_moe",
+                   "intermediate_size": _TOP_K * _EXPERT_WIDTH, "num_experts": _EXPERTS,
+                   "num_experts_per_tok": _TOP_K, "moe_intermediate_size": _EXPERT_WIDTH,
+                   "norm_topk_prob": True},
+    "scaled-dense-same-total": {**_SCALED_BASE, "architecture": "qwen3",
+                                "intermediate_size": _EXPERTS * _EXPERT_WIDTH},
+    "scaled-dense-same-active": {**_SCALED_BASE, "architecture": "qwen3",
+                                 "intermediate_size": _TOP_K * _EXPERT_WIDTH},
+}
+
+PRESETS = {**FULL, **SCALED}
+
+
+def preset_config(name: str) -> ModelConfig:
+    try:
+        fields = PRESETS[name]
+    except KeyError:
+        raise ValueError(f"unknown preset {name!r}; known: {sorted(PRESETS)}") from None
+    return ModelConfig(name=name, **fields)
+
+
+def shape_model(name_or_config: str | ModelConfig) -> nn.Module:
+    """The model with every tensor on the meta device: shapes, no memory."""
+    from lifeline.model.loader import build_model
+
+    cfg = (preset_config(name_or_config) if isinstance(name_or_config, str)
+           else name_or_config)
+    with torch.device("meta"):
+        model = build_model(cfg)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.embed_tokens.weight
+    return model
