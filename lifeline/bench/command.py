@@ -53,7 +53,8 @@ def _workload_args(work: argparse._ArgumentGroup) -> None:
                       help="prompts fill the server's context (less the output and 16 tokens)")
     work.add_argument("--length-dist", choices=["fixed", "uniform", "normal", "conversation"],
                       default="fixed",
-                      help="conversation: (input, output) pairs drawn from --length-file")
+                      help="conversation: (input, output) pairs of real requests, from "
+                           "--length-file or else the shipped Azure 2023 conversation trace sample")
     work.add_argument("--length-file", default=None,
                       help="a trace of real requests: CSV with ContextTokens,GeneratedTokens "
                            "(Azure LLM inference trace format) or JSONL")

@@ -96,7 +96,8 @@ async def pick_tokenizer(client: BenchClient, local: str | None) -> Tokenizer:
 class Lengths:
     """Input and output lengths: `fixed`, `uniform` (± spread × mean) or `normal` (standard
     deviation spread × mean), each at least 1; or `conversation`: (input, output) pairs of
-    real requests from a trace file (`lifeline.bench.conversation`), the means unused."""
+    real requests (`lifeline.bench.conversation`): `pairs` when given (a trace file), else the
+    distribution shipped with the package; the means unused."""
 
     input_tokens: int
     output_tokens: int
@@ -112,7 +113,7 @@ class Lengths:
         if self.input_tokens < 1 or self.output_tokens < 1 or self.spread < 0:
             raise ValueError("lengths are positive and the spread is non-negative")
         if self.dist == "conversation" and not self.pairs:
-            raise ValueError("--length-dist conversation needs --length-file (a trace of pairs)")
+            self.pairs = conversation.shipped_pairs()
 
     def pair(self, rng: random.Random) -> tuple[int, int]:
         """One request's (input, output) lengths."""
