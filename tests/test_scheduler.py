@@ -22,7 +22,8 @@ def run_step(sched: Scheduler, token: int = 7):
 
 
 def test_scheduler_and_block_manager_never_import_torch():
-    code = ("import sys, lifeline.engine.scheduler, lifeline.engine.block_manager; "
+    code = ("import sys, lifeline.engine.scheduler, lifeline.engine.block_manager, "
+            "lifeline.engine.kv_layout, lifeline.model.presets; "
             "print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

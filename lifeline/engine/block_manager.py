@@ -1,9 +1,15 @@
-"""Paged KV-cache bookkeeping: fixed-size blocks, hash-chained prefix caching, LRU eviction.
+"""Paged KV-cache bookkeeping: fixed-size blocks, hash-chained prefix caching, LRU eviction,
+and sliding-window layers that give back the blocks their window has left behind.
 
 Pure Python over token ids and block ids (no torch, no clock), so the planner can drive it with
-a simulated executor. One block table per request serves every layer: a block id names the same
-slot range in each layer's K and V pools. Sliding-window layers are accounted like global ones
-(a request holds blocks for its whole context); they only *read* the blocks inside their window.
+a simulated executor.
+
+A `BlockManager` keeps one pool of blocks for one group of layers: a block id names the same
+slot range in each of the group's K and V pools. A model whose layers all attend the same way
+needs one group. A hybrid model (Gemma 3: five sliding-window layers to one global) gets two,
+tied together by `KVCacheManager`: the global layers hold blocks for the whole context; the
+sliding layers (`window` set) hold only the blocks their window still reads, so their share of a
+long context stays constant (docs/architecture.md, "KV cache groups").
 """
 from __future__ import annotations
 
@@ -12,6 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lifeline.engine.request import Request
+
+NULL_BLOCK = -1
+"""Table entry of a window block given back (or never needed, after a prefix-cache hit)."""
 
 
 @dataclass(slots=True)
@@ -34,11 +43,24 @@ class PrefixCacheStats:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    """One group of layers. `table` names the `Request` attribute holding this group's block
+    table (`block_ids` for the first group, `window_block_ids` for a hybrid model's sliding
+    layers), `window` the group's sliding window (None: full attention)."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 window: int | None = None, table: str = "block_ids",
+                 max_chunk_tokens: int | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.window = window
+        self.table = table
+        self._registered = "num_registered_blocks" if table == "block_ids" else (
+            "num_registered_window_blocks")
+        self.max_chunk_tokens = max_chunk_tokens
+        """The most tokens one step computes for a request (the scheduler's token budget);
+        bounds the live blocks of a window group."""
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}
@@ -59,6 +81,23 @@ class BlockManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def capacity_tokens(self) -> float:
+        """The longest context one request can hold alone. A window group gives back what its
+        window left behind, so it is unbounded once it holds a window plus a chunk."""
+        pool = self.num_blocks * self.block_size
+        if self.window is not None and self.max_chunk_tokens is not None:
+            live = self.blocks_needed(self.window + self.max_chunk_tokens) + 2
+            if live <= self.num_blocks:
+                return float("inf")
+        return pool
+
+    def first_live_block(self, next_position: int) -> int:
+        """The first block a query at `next_position` (or later) still reads: all of them
+        for full attention; for a window, the block of position `next_position - window + 1`."""
+        if self.window is None:
+            return 0
+        return max(0, (next_position - self.window + 1) // self.block_size)
+
     def compute_hashes(self, req: Request, upto_tokens: int) -> list[int]:
         """Extend `req.block_hashes` to cover every full block among its first `upto_tokens`."""
         hashes = req.block_hashes
@@ -72,65 +111,118 @@ class BlockManager:
             hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs], req.extra_hash_key))
         return hashes
 
+    def prefix_hashes(self, req: Request) -> list[int]:
+        """Hashes of the blocks a prefix hit may cover: at least one prompt token is left to
+        compute, so the step that finishes the prompt can produce logits."""
+        max_blocks = (req.num_tokens - 1) // self.block_size
+        return self.compute_hashes(req, max_blocks * self.block_size)[:max_blocks]
+
+    def valid_hits(self, hashes: Sequence[int]) -> list[bool]:
+        """`valid[m]`: a hit of the first m blocks is usable, i.e. every block a query at
+        position `m * block_size` reads is cached (m = 0 always is)."""
+        valid = [True] + [False] * len(hashes)
+        run = 0
+        for j, h in enumerate(hashes):
+            run = run + 1 if h in self.cached else 0
+            m = j + 1
+            if self.window is None and run < m:
+                break
+            valid[m] = run >= m - self.first_live_block(m * self.block_size)
+        return valid
+
+    def prefix_table(self, hashes: Sequence[int], m: int) -> list[int]:
+        """The table entries of a valid hit of m blocks (`NULL_BLOCK` before the window)."""
+        first = self.first_live_block(m * self.block_size)
+        return [NULL_BLOCK] * first + [self.cached[h] for h in hashes[first:m]]
+
     def find_cached_prefix(self, req: Request) -> list[int]:
-        """Block ids of the longest cached prefix; at least one prompt token is left to compute
-        so the step that finishes the prompt can produce logits."""
+        """Table entries of the longest usable cached prefix."""
         if not self.enable_prefix_caching:
             return []
-        max_blocks = (req.num_tokens - 1) // self.block_size
-        hashes = self.compute_hashes(req, max_blocks * self.block_size)
-        hit: list[int] = []
-        for h in hashes[:max_blocks]:
-            block_id = self.cached.get(h)
-            if block_id is None:
-                break
-            hit.append(block_id)
+        hashes = self.prefix_hashes(req)
+        valid = self.valid_hits(hashes)
+        m = max(i for i, ok in enumerate(valid) if ok)
         self.stats.queries += req.num_tokens
-        self.stats.hits += len(hit) * self.block_size
-        return hit
+        self.stats.hits += m * self.block_size
+        return self.prefix_table(hashes, m)
+
+    def can_allocate(self, req: Request, num_new_tokens: int,
+                     cached_prefix: Sequence[int] = ()) -> bool:
+        need, reusable = self._need(req, num_new_tokens, cached_prefix)
+        return need <= self.num_free_blocks - reusable
 
     def allocate(self, req: Request, num_new_tokens: int, cached_prefix: Sequence[int] = ()) -> bool:
         """Give `req` blocks for `num_new_tokens` more tokens (after any cached prefix).
         Returns False, changing nothing, when the free pool is too small."""
-        total = req.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
-        need = self.blocks_needed(total) - len(req.block_ids) - len(cached_prefix)
-        reusable = sum(1 for b in cached_prefix if self.blocks[b].ref_cnt == 0)
+        need, reusable = self._need(req, num_new_tokens, cached_prefix)
         if need > self.num_free_blocks - reusable:
             return False
         for block_id in cached_prefix:
-            self._touch(block_id)
-        req.block_ids.extend(cached_prefix)
-        req.block_ids.extend(self._pop_free() for _ in range(max(need, 0)))
+            if block_id != NULL_BLOCK:
+                self._touch(block_id)
+        table: list[int] = getattr(req, self.table)
+        table.extend(cached_prefix)
+        table.extend(self._pop_free() for _ in range(max(need, 0)))
         return True
 
-    def cache_full_blocks(self, req: Request) -> None:
-        """Register every full, computed block of `req` in the prefix cache."""
-        if not self.enable_prefix_caching:
-            return
+    def _need(self, req: Request, num_new_tokens: int, cached_prefix: Sequence[int]
+              ) -> tuple[int, int]:
+        total = req.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
+        need = self.blocks_needed(total) - len(getattr(req, self.table)) - len(cached_prefix)
+        reusable = sum(1 for b in cached_prefix
+                       if b != NULL_BLOCK and self.blocks[b].ref_cnt == 0)
+        return need, reusable
+
+    def commit(self, req: Request) -> None:
+        """After a step computed tokens of `req`: register its full blocks in the prefix cache,
+        then give back the window blocks no later query reads (they stay cached until
+        evicted, so a later request with the same prefix can still hit them)."""
+        table: list[int] = getattr(req, self.table)
+        if self.enable_prefix_caching:
+            self._register(req, table)
+        if self.window is not None:
+            for j in range(self.first_live_block(req.num_computed_tokens)):
+                block_id = table[j]
+                if block_id != NULL_BLOCK:
+                    table[j] = NULL_BLOCK
+                    self._release(block_id)
+
+    def _register(self, req: Request, table: list[int]) -> None:
         full = req.num_computed_tokens // self.block_size
-        if full <= req.num_registered_blocks:
+        done = getattr(req, self._registered)
+        if full <= done:
             return
         hashes = self.compute_hashes(req, req.num_computed_tokens)
-        for i in range(req.num_registered_blocks, full):
-            block, h = self.blocks[req.block_ids[i]], hashes[i]
+        for i in range(done, full):
+            if table[i] == NULL_BLOCK:
+                continue
+            block, h = self.blocks[table[i]], hashes[i]
             if block.block_hash is None and h not in self.cached:
                 block.block_hash = h
                 self.cached[h] = block.block_id
-        req.num_registered_blocks = full
+        setattr(req, self._registered, full)
 
     def free(self, req: Request) -> None:
         """Release `req`'s blocks; tail blocks go to the front of eviction order."""
-        for block_id in reversed(req.block_ids):
-            block = self.blocks[block_id]
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.free_queue[block_id] = None
-        req.block_ids = []
-        req.num_registered_blocks = 0
+        table: list[int] = getattr(req, self.table)
+        for block_id in reversed(table):
+            if block_id != NULL_BLOCK:
+                self._release(block_id)
+        setattr(req, self.table, [])
+        setattr(req, self._registered, 0)
+
+    def num_blocks_held(self, req: Request) -> int:
+        return sum(1 for b in getattr(req, self.table) if b != NULL_BLOCK)
 
     def reset_prefix_cache(self) -> None:
         for block_id in self.free_queue:
             self._forget(self.blocks[block_id])
+
+    def _release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_cnt -= 1
+        if block.ref_cnt == 0:
+            self.free_queue[block_id] = None
 
     def _touch(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -150,3 +242,84 @@ class BlockManager:
             if self.cached.get(block.block_hash) == block.block_id:
                 del self.cached[block.block_hash]
             block.block_hash = None
+
+
+class KVCacheManager:
+    """Several groups of layers as one KV cache for the scheduler: a request is admitted only
+    if every group can hold it, a prefix hit counts only as far as every group has it cached,
+    and a step's blocks are taken from every group or from none.
+
+    `bytes_per_block[g]` is what one block of group g occupies (K and V of all its layers), so
+    `bytes_in_use` is the KV memory the requests hold now, the figure docs/moe.md sets beside
+    the formula."""
+
+    def __init__(self, groups: Sequence[BlockManager], bytes_per_block: Sequence[int]):
+        if not groups or len(groups) != len(bytes_per_block):
+            raise ValueError("one bytes_per_block per group")
+        if len({g.block_size for g in groups}) != 1:
+            raise ValueError("every group must use the same block size")
+        if len({g.table for g in groups}) != len(groups):
+            raise ValueError("each group needs its own block table")
+        self.groups = list(groups)
+        self.bytes_per_block = list(bytes_per_block)
+        self.block_size = groups[0].block_size
+        self.enable_prefix_caching = groups[0].enable_prefix_caching
+        self.stats = PrefixCacheStats()
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(g.num_blocks for g in self.groups)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(g.num_free_blocks for g in self.groups)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of the KV memory in use (groups weighted by their bytes)."""
+        total = sum(g.num_blocks * b for g, b in zip(self.groups, self.bytes_per_block))
+        free = sum(g.num_free_blocks * b for g, b in zip(self.groups, self.bytes_per_block))
+        return 1.0 - free / total
+
+    def bytes_in_use(self) -> int:
+        return sum((g.num_blocks - g.num_free_blocks) * b
+                   for g, b in zip(self.groups, self.bytes_per_block))
+
+    def bytes_held(self, req: Request) -> int:
+        return sum(g.num_blocks_held(req) * b for g, b in zip(self.groups, self.bytes_per_block))
+
+    def capacity_tokens(self) -> float:
+        return min(g.capacity_tokens() for g in self.groups)
+
+    def find_cached_prefix(self, req: Request) -> list[tuple[int, ...]]:
+        """One entry per hit block: its table entry in each group."""
+        if not self.enable_prefix_caching:
+            return []
+        hashes = self.groups[0].prefix_hashes(req)
+        valid = [g.valid_hits(hashes) for g in self.groups]
+        m = max(i for i in range(len(hashes) + 1) if all(v[i] for v in valid))
+        self.stats.queries += req.num_tokens
+        self.stats.hits += m * self.block_size
+        return list(zip(*(g.prefix_table(hashes, m) for g in self.groups)))
+
+    def allocate(self, req: Request, num_new_tokens: int,
+                 cached_prefix: Sequence[tuple[int, ...]] = ()) -> bool:
+        per_group = [[entry[g] for entry in cached_prefix] for g in range(len(self.groups))]
+        if not all(g.can_allocate(req, num_new_tokens, p)
+                   for g, p in zip(self.groups, per_group)):
+            return False
+        for g, p in zip(self.groups, per_group):
+            g.allocate(req, num_new_tokens, p)
+        return True
+
+    def commit(self, req: Request) -> None:
+        for g in self.groups:
+            g.commit(req)
+
+    def free(self, req: Request) -> None:
+        for g in self.groups:
+            g.free(req)
+
+    def reset_prefix_cache(self) -> None:
+        for g in self.groups:
+            g.reset_prefix_cache()

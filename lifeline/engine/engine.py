@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lifeline.engine.block_manager import BlockManager
+from lifeline.engine.kv_layout import plan_kv
 from lifeline.engine.model_runner import ModelRunner, StepInputs
 from lifeline.engine.moe_usage import MoEAccounting
 from lifeline.engine.request import FinishReason, Request, RequestStatus
@@ -30,6 +30,9 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    sliding_window_kv: bool = True
+    """Sliding-window layers give back the blocks their window left behind (hybrid models
+    get a second block table and pool); False keeps every block for every layer."""
     num_threads: int | None = None
     device: str = "cpu"
     """Where weights, KV cache and logits live ('cpu', 'cuda'); scheduling stays on the CPU."""
@@ -76,10 +79,13 @@ class LLMEngine:
         self.tokenizer = loaded.tokenizer
         self.loaded = loaded
         max_len = min(config.max_model_len or mcfg.max_position, mcfg.max_position)
-        num_blocks = config.num_kv_blocks or ModelRunner.blocks_for_memory(
-            mcfg, config.block_size, config.kv_cache_memory_bytes)
-        self.block_manager = BlockManager(num_blocks, config.block_size,
-                                          config.enable_prefix_caching)
+        self.kv_layout = layout = plan_kv(
+            mcfg, config.block_size, memory_bytes=config.kv_cache_memory_bytes,
+            num_blocks=config.num_kv_blocks, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            sliding_window_kv=config.sliding_window_kv)
+        self.block_manager = layout.manager(config.enable_prefix_caching,
+                                            config.max_num_batched_tokens)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len),
             self.block_manager)
@@ -87,8 +93,10 @@ class LLMEngine:
         if config.weights != "fp32":
             apply_weight_format(loaded.model, config.weights)
             loaded.weight_format = f"{loaded.weight_format}->{config.weights}"
-        self.runner = ModelRunner(loaded.model, mcfg, num_blocks, config.block_size,
-                                  device=config.device)
+        window = layout.group("sliding")
+        self.runner = ModelRunner(loaded.model, mcfg, layout.groups[0].num_blocks,
+                                  config.block_size, device=config.device,
+                                  window_blocks=window.num_blocks if layout.hybrid else None)
         stats = getattr(loaded.model, "moe_stats", None)
         self.moe = MoEAccounting(mcfg, stats) if stats is not None else None
         """Routing accounting of an MoE model (None for a dense one)."""

@@ -31,59 +31,81 @@ class StepInputs:
 
 
 class ModelRunner:
+    """`num_blocks` sizes every layer's pool, unless `window_blocks` is given: then the model's
+    sliding-window layers form a group of their own (table `Request.window_block_ids`) with
+    pools of `window_blocks` blocks."""
+
     def __init__(self, model: nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype = torch.float32, device: str = "cpu"):
+                 kv_dtype: torch.dtype = torch.float32, device: str = "cpu",
+                 window_blocks: int | None = None):
         self.model = model
         self.config = config
         self.block_size = block_size
         self.device = torch.device(device)
-        slots = num_blocks * block_size
-        shape = (slots, config.num_kv_heads, config.head_dim)
-        self.kv_caches = [(torch.zeros(shape, dtype=kv_dtype, device=self.device),
-                           torch.zeros(shape, dtype=kv_dtype, device=self.device))
-                          for _ in range(config.num_layers)]
+        self.hybrid = window_blocks is not None
+        self.kv_caches = []
+        for layer_type in config.layer_types:
+            blocks = window_blocks if self.hybrid and layer_type == "sliding" else num_blocks
+            shape = (blocks * block_size, config.num_kv_heads, config.head_dim)
+            self.kv_caches.append((torch.zeros(shape, dtype=kv_dtype, device=self.device),
+                                   torch.zeros(shape, dtype=kv_dtype, device=self.device)))
 
     @staticmethod
     def blocks_for_memory(config: ModelConfig, block_size: int, memory_bytes: int,
                           dtype_bytes: int = 4) -> int:
         return max(1, memory_bytes // (config.kv_bytes_per_token(dtype_bytes) * block_size))
 
-    def slots(self, req: Request, start: int, end: int) -> torch.Tensor:
+    def slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
+        """Cache slots of positions [start, end); given-back window blocks (-1) read block 0,
+        which the window mask hides."""
         positions = torch.arange(start, end)
-        table = torch.tensor(req.block_ids, dtype=torch.long)
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+        blocks = torch.tensor(table, dtype=torch.long).clamp_min_(0)
+        return blocks[positions // self.block_size] * self.block_size + positions % self.block_size
 
     def prepare(self, out: SchedulerOutput) -> StepInputs:
         order = sorted(out.scheduled, key=lambda s: s.num_new_tokens != 1)
         ids: list[int] = []
-        positions, slot_parts, prefills = [], [], []
-        decode_reqs = [s for s in order if s.num_new_tokens == 1]
+        positions = []
         for s in order:
             req, start, end = s.request, s.start, s.start + s.num_new_tokens
             ids.extend(req.all_token_ids[start:end] if s.num_new_tokens > 1 else [req.token_at(start)])
             positions.append(torch.arange(start, end))
-            if s.num_new_tokens == 1:
-                slot_parts.append(self.slots(req, start, end))
-            else:
-                ctx_slots = self.slots(req, 0, end)
-                slot_parts.append(ctx_slots[start:])
-                prefills.append(PrefillSeq(len(ids) - s.num_new_tokens, s.num_new_tokens, end,
-                                           ctx_slots))
-        meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts), num_decodes=len(decode_reqs),
-                                 prefills=prefills)
-        if decode_reqs:
-            self._decode_meta(meta, decode_reqs)
+        meta = self._attention_meta(order, "block_ids")
+        if self.hybrid:
+            meta.window_meta = self._attention_meta(order, "window_block_ids")
         return self._logit_plan(order, torch.tensor(ids, dtype=torch.long),
                                 torch.cat(positions), meta)
 
-    def _decode_meta(self, meta: AttentionMetadata, decodes: list[ScheduledRequest]) -> None:
+    def _attention_meta(self, order: list[ScheduledRequest], table: str) -> AttentionMetadata:
+        slot_parts, prefills = [], []
+        decodes = [s for s in order if s.num_new_tokens == 1]
+        offset = 0
+        for s in order:
+            block_table = getattr(s.request, table)
+            start, end = s.start, s.start + s.num_new_tokens
+            if s.num_new_tokens == 1:
+                slot_parts.append(self.slots(block_table, start, end))
+            else:
+                ctx_slots = self.slots(block_table, 0, end)
+                slot_parts.append(ctx_slots[start:])
+                prefills.append(PrefillSeq(offset, s.num_new_tokens, end, ctx_slots))
+            offset += s.num_new_tokens
+        meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts), num_decodes=len(decodes),
+                                 prefills=prefills)
+        if decodes:
+            self._decode_meta(meta, decodes, table)
+        return meta
+
+    def _decode_meta(self, meta: AttentionMetadata, decodes: list[ScheduledRequest],
+                     table_name: str) -> None:
         bs = self.block_size
         lengths = torch.tensor([s.start + 1 for s in decodes])
         max_blocks = -(-int(lengths.max()) // bs)
         table = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
         for i, s in enumerate(decodes):
             n = -(-(s.start + 1) // bs)
-            table[i, :n] = torch.tensor(s.request.block_ids[:n])
+            table[i, :n] = torch.tensor(getattr(s.request, table_name)[:n])
+        table.clamp_min_(0)
         slots = (table.unsqueeze(-1) * bs + torch.arange(bs)).reshape(len(decodes), -1)
         length = int(lengths.max())
         meta.decode_slots = slots[:, :length]

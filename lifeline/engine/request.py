@@ -68,6 +68,9 @@ class Request:
     block_hashes: list[int] = field(default_factory=list)
     num_registered_blocks: int = 0
     """Leading blocks already offered to the prefix cache."""
+    window_block_ids: list[int] = field(default_factory=list)
+    """The block table of a hybrid model's sliding-window layers (see `KVCacheManager`)."""
+    num_registered_window_blocks: int = 0
     extra_hash_key: int = 0
     """Mixed into the first block's hash (e.g. an image digest), so equal ids can differ."""
     timeline: Timeline = field(default_factory=Timeline)

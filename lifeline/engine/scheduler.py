@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from lifeline.engine.block_manager import BlockManager
+from lifeline.engine.block_manager import BlockManager, KVCacheManager
 from lifeline.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -52,7 +52,7 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager | KVCacheManager):
         self.config = config
         self.kv = block_manager
         self.waiting: deque[Request] = deque()
@@ -60,11 +60,11 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add_request(self, req: Request) -> None:
-        need = self.kv.blocks_needed(req.num_prompt_tokens + 1)
-        if need > self.kv.num_blocks:
+        capacity = self.kv.capacity_tokens()
+        if req.num_prompt_tokens + 1 > capacity:
             raise ValueError(
-                f"prompt of {req.num_prompt_tokens} tokens needs {need} KV blocks; "
-                f"the cache has {self.kv.num_blocks}")
+                f"prompt of {req.num_prompt_tokens} tokens needs more KV blocks than the cache "
+                f"has ({self.kv.num_blocks} blocks of {self.kv.block_size} tokens)")
         req.status = RequestStatus.WAITING
         self.waiting.append(req)
 
@@ -135,7 +135,7 @@ class Scheduler:
         for s in out.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
-            self.kv.cache_full_blocks(req)
+            self.kv.commit(req)
             if not s.samples or sampled is None:
                 continue
             req.output_token_ids.append(sampled[id(req)])

@@ -13,16 +13,16 @@ Two kinds:
   (the dense twin with the same active weights: an MLP as wide as the top-4 experts).
 
 `load_model("preset:NAME")` builds a preset with random weights (no tokenizer: prompts are
-token ids).
+token ids). Configs need no torch (the planner reads them).
 """
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from lifeline.model.config import ModelConfig, gemma3_layer_types
+
+if TYPE_CHECKING:
+    from torch import nn
 
 _QWEN3 = {"vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
           "qk_norm": True, "head_dim": 128, "max_position": 40960}
@@ -109,6 +109,8 @@ def preset_config(name: str) -> ModelConfig:
 
 def shape_model(name_or_config: str | ModelConfig) -> nn.Module:
     """The model with every tensor on the meta device: shapes, no memory."""
+    import torch
+
     from lifeline.model.loader import build_model
 
     cfg = (preset_config(name_or_config) if isinstance(name_or_config, str)

@@ -38,6 +38,9 @@ class AttentionMetadata:
     prefills: list[PrefillSeq] = field(default_factory=list)
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
     """Decode masks per sliding window (None = full), built once per step."""
+    window_meta: AttentionMetadata | None = None
+    """The same step seen through the block table of a hybrid model's sliding-window layers,
+    whose KV lives in pools of their own (`KVCacheManager`); None when all layers share one."""
 
     def to(self, device: torch.device | str) -> AttentionMetadata:
         if torch.device(device).type == "cpu":
@@ -45,9 +48,10 @@ class AttentionMetadata:
         move = lambda t: None if t is None else t.to(device, non_blocking=True)
         prefills = [PrefillSeq(p.start, p.num_tokens, p.context_len, move(p.slots))
                     for p in self.prefills]
+        window_meta = self.window_meta.to(device) if self.window_meta is not None else None
         return AttentionMetadata(move(self.slot_mapping), self.num_decodes,
                                  move(self.decode_slots), move(self.decode_positions),
-                                 move(self.decode_valid), prefills)
+                                 move(self.decode_valid), prefills, window_meta=window_meta)
 
     def decode_mask(self, window: int | None) -> torch.Tensor:
         mask = self.masks.get(window)
@@ -72,6 +76,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                     k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, window: int | None) -> torch.Tensor:
     """q: [N, H, D]; k, v: [N, KVH, D] for the step's new tokens. Returns [N, H, D]."""
+    if window is not None and meta.window_meta is not None:
+        meta = meta.window_meta
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
     out = torch.empty_like(q)
     d = meta.num_decodes
