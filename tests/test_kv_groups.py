@@ -181,3 +181,32 @@ def test_shared_prefixes_through_a_hybrid_cache_give_transformers_greedy(tiny_ge
         assert r.token_ids == hf_greedy(model, p, 8)
     assert any(r.num_cached_tokens >= 24 for r in results)
     assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_a_model_whose_layers_all_slide_matches_transformers(tmp_path):
+    """Mistral 7B v0.1's layout: every layer has the window, one windowed group."""
+    import torch
+    import transformers
+
+    from lifeline import LLM
+    from tests.reference.tiny_hf import hf_greedy, random_prompt
+
+    torch.manual_seed(0)
+    cfg = transformers.MistralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=320, max_position_embeddings=512, head_dim=16,
+        sliding_window=8)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
+    model = model.float().eval()
+    model.save_pretrained(tmp_path)
+    llm = LLM(tmp_path, block_size=4, max_num_batched_tokens=16, num_kv_blocks=64)
+    (group,) = llm.engine.block_manager.groups
+    assert group.window == 8
+    ids = random_prompt(45, 3, 320)
+    with torch.no_grad():
+        ref = model(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(llm.engine.prompt_logits(ids), ref, atol=2e-4, rtol=1e-4)
+    out = llm.generate({"prompt_token_ids": ids},
+                       SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0]
+    assert out.token_ids == hf_greedy(model, ids, 12)
+    assert group.num_free_blocks == group.num_blocks

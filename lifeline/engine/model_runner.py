@@ -43,6 +43,10 @@ class ModelRunner:
         self.block_size = block_size
         self.device = torch.device(device)
         self.hybrid = window_blocks is not None
+        self.window = config.sliding_window
+        all_sliding = bool(config.sliding_window) and set(config.layer_types) == {"sliding"}
+        self.main_window = self.window if all_sliding else None
+        """The window of the main table's layers when every layer slides (else None)."""
         self.kv_caches = []
         for layer_type in config.layer_types:
             blocks = window_blocks if self.hybrid and layer_type == "sliding" else num_blocks
@@ -70,13 +74,16 @@ class ModelRunner:
             req, start, end = s.request, s.start, s.start + s.num_new_tokens
             ids.extend(req.all_token_ids[start:end] if s.num_new_tokens > 1 else [req.token_at(start)])
             positions.append(torch.arange(start, end))
-        meta = self._attention_meta(order, "block_ids")
+        meta = self._attention_meta(order, "block_ids", self.main_window)
         if self.hybrid:
-            meta.window_meta = self._attention_meta(order, "window_block_ids")
+            meta.window_meta = self._attention_meta(order, "window_block_ids", self.window)
         return self._logit_plan(order, torch.tensor(ids, dtype=torch.long),
                                 torch.cat(positions), meta)
 
-    def _attention_meta(self, order: list[ScheduledRequest], table: str) -> AttentionMetadata:
+    def _attention_meta(self, order: list[ScheduledRequest], table: str,
+                        window: int | None = None) -> AttentionMetadata:
+        """Slots through one block table. With a `window`, every layer that reads this table
+        slides, so each query's context starts at the oldest position its window reaches."""
         slot_parts, prefills = [], []
         decodes = [s for s in order if s.num_new_tokens == 1]
         offset = 0
@@ -86,31 +93,39 @@ class ModelRunner:
             if s.num_new_tokens == 1:
                 slot_parts.append(self.slots(block_table, start, end))
             else:
-                ctx_slots = self.slots(block_table, 0, end)
-                slot_parts.append(ctx_slots[start:])
-                prefills.append(PrefillSeq(offset, s.num_new_tokens, end, ctx_slots))
+                first = max(0, start - window + 1) if window else 0
+                ctx_slots = self.slots(block_table, first, end)
+                slot_parts.append(ctx_slots[start - first:])
+                prefills.append(PrefillSeq(offset, s.num_new_tokens, end - first, ctx_slots))
             offset += s.num_new_tokens
         meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts), num_decodes=len(decodes),
                                  prefills=prefills)
         if decodes:
-            self._decode_meta(meta, decodes, table)
+            self._decode_meta(meta, decodes, table, window)
         return meta
 
     def _decode_meta(self, meta: AttentionMetadata, decodes: list[ScheduledRequest],
-                     table_name: str) -> None:
+                     table_name: str, window: int | None) -> None:
+        """Each decode's context slots, padded to the longest; positions count from the first
+        gathered one (with a window: the oldest position the window reaches)."""
         bs = self.block_size
-        lengths = torch.tensor([s.start + 1 for s in decodes])
-        max_blocks = -(-int(lengths.max()) // bs)
-        table = torch.zeros(len(decodes), max_blocks, dtype=torch.long)
+        ends = torch.tensor([s.start + 1 for s in decodes])
+        firsts = (ends - window).clamp_min(0) if window else torch.zeros_like(ends)
+        first_blocks = firsts // bs
+        spans = -(-ends // bs) - first_blocks
+        table = torch.zeros(len(decodes), int(spans.max()), dtype=torch.long)
         for i, s in enumerate(decodes):
-            n = -(-(s.start + 1) // bs)
-            table[i, :n] = torch.tensor(getattr(s.request, table_name)[:n])
+            lo, n = int(first_blocks[i]), int(spans[i])
+            table[i, :n] = torch.tensor(getattr(s.request, table_name)[lo:lo + n])
         table.clamp_min_(0)
         slots = (table.unsqueeze(-1) * bs + torch.arange(bs)).reshape(len(decodes), -1)
-        length = int(lengths.max())
+        skip = firsts - first_blocks * bs  # positions before `firsts` in the first block
+        lengths = ends - firsts
+        length = int((skip + lengths).max())
+        cols = torch.arange(length).unsqueeze(0)
         meta.decode_slots = slots[:, :length]
-        meta.decode_valid = torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
-        meta.decode_positions = lengths - 1
+        meta.decode_valid = (cols >= skip.unsqueeze(1)) & (cols < (skip + lengths).unsqueeze(1))
+        meta.decode_positions = skip + lengths - 1
 
     def _logit_plan(self, order: list[ScheduledRequest], input_ids: torch.Tensor,
                     positions: torch.Tensor, meta: AttentionMetadata) -> StepInputs:

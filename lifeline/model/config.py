@@ -201,6 +201,8 @@ def config_from_hf(path: str | Path) -> ModelConfig:
         layer_types = gemma3_layer_types(num_layers, raw.get("sliding_window_pattern", 6))
     if window is None or arch in ("qwen2", "qwen3") and not raw.get("use_sliding_window"):
         window, layer_types = None, []
+    elif not layer_types:
+        layer_types = ["sliding"] * num_layers  # Mistral: one window for every layer
     rope_params = raw.get("rope_parameters") or {}
     rope_scaling = raw.get("rope_scaling") or None
     cfg = ModelConfig(
