@@ -174,16 +174,28 @@ def _svgs(results: list[dict[str, Any]], folder: Path) -> None:
     from lifeline.bench.html import line_chart
 
     folder.mkdir(parents=True, exist_ok=True)
+    by = {r["model"]: r for r in results}
     charts = {
         "dense_vs_moe_throughput.svg": line_chart(
             "Decode throughput against concurrent users",
             {r["model"]: [(d["concurrency"], d["total_tok_s"]) for d in r["decode"]]
              for r in results}, "concurrent users", "total tok/s"),
-        "dense_vs_moe_bytes.svg": line_chart(
-            "Weights read per generated token",
-            {r["model"]: [(d["concurrency"], d["weights_read_per_token_mb"]) for d in r["decode"]]
-             for r in results}, "concurrent users", "MB per token"),
     }
+    moe = by.get("scaled-moe")
+    if moe:
+        charts["dense_vs_moe_experts.svg"] = line_chart(
+            "Distinct experts a decode step runs per MoE layer (of 64)",
+            {"measured": [(d["concurrency"], d["experts_touched"]) for d in moe["decode"]],
+             "uniform routing": [(d["concurrency"], d["experts_touched_uniform"])
+                                 for d in moe["decode"]]}, "concurrent users", "experts")
+        twins = {f"MoE / {name.removeprefix('scaled-')}": [
+            (m["concurrency"], m["total_tok_s"] / d["total_tok_s"])
+            for m, d in zip(moe["decode"], by[name]["decode"])]
+            for name in ("scaled-dense-same-total", "scaled-dense-same-active") if name in by}
+        if twins:
+            charts["dense_vs_moe_ratio.svg"] = line_chart(
+                "MoE decode throughput as a multiple of each dense twin", twins,
+                "concurrent users", "x")
     for file, figure in charts.items():
         svg = re.search(r"<svg.*</svg>", figure, re.DOTALL)[0]
         (folder / file).write_text(svg.replace("<svg ", '<svg style="background:#fff" ', 1))
@@ -195,7 +207,15 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--svg-dir", type=Path, help="write the two plots here")
     parser.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--plot", type=Path, metavar="JSON",
+                        help="only redraw the tables and plots of an earlier --json run")
     args = parser.parse_args()
+    if args.plot:
+        results = json.loads(args.plot.read_text())["results"]
+        _table(results)
+        if args.svg_dir:
+            _svgs(results, args.svg_dir)
+        return
     steps = 3 if args.quick else 8
     results = []
     ctx = get_context("spawn")
