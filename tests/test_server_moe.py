@@ -12,6 +12,7 @@ from lifeline.model.loader import load_hf
 from lifeline.server.config import ServerConfig
 from lifeline.server.testing import ServerThread
 from tests.reference.tiny_hf import random_prompt
+from tests.test_observe import documented_metric_names, moe_metric_names
 
 CONFIG = transformers.Qwen3MoeConfig(
     hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
@@ -67,6 +68,10 @@ def test_timings_and_metrics_account_every_routed_token(server):
                       text)
     assert steps and float(steps[1]) >= 2
     assert 'lifeline:model_parameters{kind="active",model_name="moe"}' in text
+    families = set(re.findall(r"^# TYPE (lifeline:\S+)", text, re.MULTILINE))
+    families = {f.removesuffix("_total") for f in families if not f.endswith("_created")}
+    moe = moe_metric_names(documented_metric_names())
+    assert {n.removesuffix("_total") for n in moe} <= families  # every documented MoE series
 
 
 def test_models_reports_total_and_active_parameters(server):
