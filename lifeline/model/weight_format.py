@@ -1,29 +1,122 @@
-"""Weight formats a loaded model can run in: float32 as loaded, or an int8 LM head.
+"""Weight formats a loaded model can run in: float32 as loaded, or a bf16 or int8 LM head.
 
-`int8` replaces the LM head by fbgemm's dynamically quantized linear: int8 weights with one
-scale per output channel, activations quantized per call (one scale per row). On this kind of
-CPU the 262,144 x 640 head runs ~5x faster at batch 1 and ~9x at batch 16 than float32.
-Measured on the default model's 1,180-token essay (tests/test_weight_format.py): argmax agrees
-with float32 at 88% of positions, perplexity 20.17 -> 20.80 (+3.1%). Quantizing every linear
-the same way costs far more (57% agreement, perplexity 38), so the layers stay float32."""
+Only the LM head changes: it is most of a decode step's bytes and FLOPs (262,144 x 640 for
+Gemma 3 270M; see docs/performance.md), and quantizing every layer costs far more quality (int8
+everywhere, with one activation scale per call: 57% greedy agreement with float32, perplexity
+20.2 -> 38 on the essay). Quality and speed of each format: `benchmarks/weight_formats.py`,
+recorded in docs/performance.md.
+
+- `bf16`: a bfloat16 copy of the head; hidden states are cast to bfloat16, logits back to
+  float32. Fast where the CPU has AVX512-BF16 (oneDNN); ../shared/PEERS.md found bf16 slower
+  than float32 at batch > 1 on an AVX2 machine without it.
+- `int8`: fbgemm's int8 GEMM, then exact float32 logits for its `RESCORE_TOP` best tokens.
+  Weights: int8, one scale per output row. Activations: quantized on each call with one scale
+  and offset per row (fbgemm's dynamic linear takes one (scale, zero point) per call, so each
+  row is mapped onto [-1, 1] by its own min and max first and the logits mapped back,
+  `y = half * W x' + mid * W 1`; all 8 bits where the kernel cannot saturate, see
+  `fbgemm_saturates`). The final hidden state has channels 10-20x larger than the median one,
+  so int8 logits can be off by ~1 and swap near-top tokens (measured: 96% greedy agreement with
+  float32, one llama.cpp fixture parting at a clear preference). Rescoring the shortlist from
+  the float32 weight rows (64 x 640 per row, against 262,144 x 640) makes every logit that can
+  win exact; the rest stay int8 approximations.
+"""
 from __future__ import annotations
 
 import warnings
+from functools import cache
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-WEIGHT_FORMATS = ("fp32", "int8")
+WEIGHT_FORMATS = ("fp32", "bf16", "int8")
+RESCORE_TOP = 64
+"""Tokens per row whose int8 logits are recomputed in float32."""
+
+
+class BF16Linear(nn.Module):
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        self.register_buffer("weight", linear.weight.detach().to(torch.bfloat16).contiguous())
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+
+class Int8Linear(nn.Module):
+    """y = W x through fbgemm's u8 x s8 GEMM (CPU only), the top `RESCORE_TOP` in float32."""
+
+    def __init__(self, linear: nn.Linear, rescore_top: int = RESCORE_TOP):
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        """The float32 rows the shortlist is rescored from (shared with a tied embedding)."""
+        weight = linear.weight.detach().float()
+        scales = (weight.abs().amax(1).clamp_min(1e-12) / 127).double()
+        qweight = _int8_rows(weight, scales)
+        self.packed = torch.ops.quantized.linear_prepack(qweight, None)
+        self.register_buffer("row_sums", qweight.dequantize().sum(1).unsqueeze(0))
+        self.reduce_range = fbgemm_saturates()
+        self.rescore_top = min(rescore_top, weight.shape[0])
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1]).float()
+        y = self._int8(x)
+        if self.bias is not None:
+            y += self.bias
+        if self.rescore_top:
+            top = y.topk(self.rescore_top, dim=-1, sorted=False).indices
+            exact = torch.bmm(self.weight[top], x.unsqueeze(-1)).squeeze(-1)
+            y.scatter_(1, top, exact if self.bias is None else exact + self.bias[top])
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def _int8(self, x: torch.Tensor) -> torch.Tensor:
+        lo, hi = x.aminmax(dim=-1, keepdim=True)
+        mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-12)
+        y = torch.ops.quantized.linear_dynamic((x - mid) / half, self.packed, self.reduce_range)
+        return torch.addmm(y.mul_(half), mid, self.row_sums)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"reduce_range={self.reduce_range}, rescore_top={self.rescore_top}")
+
+
+def _int8_rows(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PyTorch deprecates quantized tensors for torchao
+        return torch.quantize_per_channel(weight, scales, torch.zeros(len(scales), dtype=torch.long),
+                                          0, torch.qint8)
+
+
+@cache
+def fbgemm_saturates() -> bool:
+    """Whether 8-bit activations overflow fbgemm's kernel on this CPU. Without VNNI it adds
+    pairs of u8 x s8 products in int16 (saturating), which is why PyTorch quantizes activations
+    to 7 bits on x86 by default (`reduce_range`); with VNNI (vpdpbusd) the sums are int32.
+    The probe makes every pair overflow int16: 255 * 127 * 2 > 32767."""
+    weight = _int8_rows(torch.full((8, 640), 127.0), torch.ones(8).double())
+    packed = torch.ops.quantized.linear_prepack(weight, None)
+    x = torch.ones(16, 640)
+    x[:, 0] = 0.0
+    for rows in (1, 16):
+        y = torch.ops.quantized.linear_dynamic(x[:rows], packed, False)
+        if not torch.allclose(y, torch.full_like(y, 639 * 127.0), rtol=0.01):
+            return True
+    return False
 
 
 def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
+    """Replace `model.lm_head` in place (embeddings tied to it keep their float32 copy)."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; choose from {WEIGHT_FORMATS}")
-    if fmt == "fp32":
-        return model
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from torch.ao.quantization import per_channel_dynamic_qconfig, quantize_dynamic
-
-        return quantize_dynamic(model, {"lm_head": per_channel_dynamic_qconfig},
-                                dtype=torch.qint8, inplace=True)
+    head = model.lm_head
+    if fmt == "bf16":
+        model.lm_head = BF16Linear(head)
+    elif fmt == "int8":
+        if head.weight.device.type != "cpu":
+            raise ValueError("the int8 LM head runs on the CPU only (fbgemm)")
+        model.lm_head = Int8Linear(head)
+    return model
