@@ -16,9 +16,10 @@ off, since the prompts are cut from one text that repeats passages):
   (last token time - first token time)) after a warm-up request with another prompt;
 - total output tok/s of 16 requests (120-135-token prompts, 64 tokens each) submitted at once,
   prefill included: the median of 3 such batches with different prompts.
-Two baselines exist only here: `int8-no-rescore` is `int8` without the float32 rescoring of
-its top 64 tokens, and `int8-per-call` the int8 head as it was before (torch.ao
-`quantize_dynamic`: per-channel weights, one activation scale per call, 7-bit activations).
+Baselines that exist only here: `bf16-no-rescore` and `int8-no-rescore` are the formats
+without the float32 rescoring of their top 64 tokens, and `int8-per-call` the int8 head as it
+was before (torch.ao `quantize_dynamic`: per-channel weights, one activation scale per call,
+7-bit activations).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import THREADS, ForeignLoad, distinct_prompts, license_token_ids, machine
 
 ROOT = Path(__file__).resolve().parents[1]
-FORMATS = ("fp32", "bf16", "int8", "int8-no-rescore", "int8-per-call")
+FORMATS = ("fp32", "bf16", "int8", "bf16-no-rescore", "int8-no-rescore", "int8-per-call")
 N_OUT = 64
 USERS = 16
 BATCH_RUNS = 3
@@ -46,10 +47,10 @@ def build_llm(fmt: str) -> Any:
     from lifeline import LLM
     from lifeline.model.loader import load_model
 
-    engine_fmt = {"int8-no-rescore": "int8", "int8-per-call": "fp32"}.get(fmt, fmt)
+    engine_fmt = "fp32" if fmt == "int8-per-call" else fmt.removesuffix("-no-rescore")
     llm = LLM(load_model(), weights=engine_fmt, max_num_batched_tokens=512,
               kv_cache_memory_bytes=512 << 20, enable_prefix_caching=False)
-    if fmt == "int8-no-rescore":
+    if fmt.endswith("-no-rescore"):
         llm.loaded.model.lm_head.rescore_top = 0
     if fmt == "int8-per-call":
         import torch

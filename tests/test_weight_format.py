@@ -8,7 +8,7 @@ from torch import nn
 from lifeline import LLM, SamplingParams
 from lifeline.model.default import default_model_path
 from lifeline.model.loader import load_model
-from lifeline.model.weight_format import Int8Linear, apply_weight_format
+from lifeline.model.weight_format import BF16Linear, Int8Linear, apply_weight_format
 from tests.reference.gemma3_hf import build_reference_gemma3
 from tests.reference.llamacpp_agreement import parting
 from tests.test_gemma3_reference import LONG, PROMPTS
@@ -60,9 +60,10 @@ def _layer(rows: int = 512, cols: int = 64) -> nn.Linear:
     return layer
 
 
-def test_int8_head_gives_float32_logits_to_its_best_tokens():
+@pytest.mark.parametrize("kind", [BF16Linear, Int8Linear])
+def test_fast_head_gives_float32_logits_to_its_best_tokens(kind):
     layer = _layer(rows=4096)
-    head = Int8Linear(layer)
+    head = kind(layer)
     x = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
     ours, exact = head(x), layer(x)
     top = exact.topk(8, dim=-1).indices

@@ -6,19 +6,20 @@ everywhere, with one activation scale per call: 57% greedy agreement with float3
 20.2 -> 38 on the essay). Quality and speed of each format: `benchmarks/weight_formats.py`,
 recorded in docs/performance.md.
 
-- `bf16`: a bfloat16 copy of the head; hidden states are cast to bfloat16, logits back to
-  float32. Fast where the CPU has AVX512-BF16 (oneDNN); ../shared/PEERS.md found bf16 slower
-  than float32 at batch > 1 on an AVX2 machine without it.
-- `int8`: fbgemm's int8 GEMM, then exact float32 logits for its `RESCORE_TOP` best tokens.
-  Weights: int8, one scale per output row. Activations: quantized on each call with one scale
-  and offset per row (fbgemm's dynamic linear takes one (scale, zero point) per call, so each
-  row is mapped onto [-1, 1] by its own min and max first and the logits mapped back,
-  `y = half * W x' + mid * W 1`; all 8 bits where the kernel cannot saturate, see
-  `fbgemm_saturates`). The final hidden state has channels 10-20x larger than the median one,
-  so int8 logits can be off by ~1 and swap near-top tokens (measured: 96% greedy agreement with
-  float32, one llama.cpp fixture parting at a clear preference). Rescoring the shortlist from
-  the float32 weight rows (64 x 640 per row, against 262,144 x 640) makes every logit that can
-  win exact; the rest stay int8 approximations.
+- `bf16`: a bfloat16 copy of the head (oneDNN; fast where the CPU has AVX512-BF16,
+  ../shared/PEERS.md found bf16 slower than float32 at batch > 1 on an AVX2 machine without
+  it). Its error is mostly the logits' own rounding to bfloat16 (steps of 1/16 between 8 and 16).
+- `int8`: fbgemm's int8 GEMM. Weights: int8, one scale per output row. Activations: quantized
+  on each call with one scale and offset per row (fbgemm's dynamic linear takes one (scale,
+  zero point) per call, so each row is mapped onto [-1, 1] by its own min and max first and the
+  logits mapped back, `y = half * W x' + mid * W 1`; all 8 bits where the kernel cannot
+  saturate, see `fbgemm_saturates`). The final hidden state has channels 10-20x larger than the
+  median one, so int8 logits can be off by ~1 and swap near-top tokens.
+
+Both then recompute the `RESCORE_TOP` highest logits of each row from the float32 weight rows
+(64 x 640 per row, against 262,144 x 640), so every logit that can win is exact; the others
+stay approximations. Without it, int8 agrees with float32's argmax at 96% of the essay's
+positions and parts from llama.cpp's greedy text at a clear preference on one fixture prompt.
 """
 from __future__ import annotations
 
@@ -31,18 +32,24 @@ from torch import nn
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8")
 RESCORE_TOP = 64
-"""Tokens per row whose int8 logits are recomputed in float32."""
+"""Tokens per row whose logits are recomputed in float32."""
 
 
 class BF16Linear(nn.Module):
-    def __init__(self, linear: nn.Linear):
+    """y = W x in bfloat16 (oneDNN), the top `RESCORE_TOP` in float32."""
+
+    def __init__(self, linear: nn.Linear, rescore_top: int = RESCORE_TOP):
         super().__init__()
-        self.register_buffer("weight", linear.weight.detach().to(torch.bfloat16).contiguous())
-        self.bias = linear.bias
+        self.weight, self.bias = linear.weight, linear.bias
+        self.register_buffer("weight_bf16", linear.weight.detach().to(torch.bfloat16))
+        self.rescore_top = min(rescore_top, linear.weight.shape[0])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x.to(torch.bfloat16), self.weight).to(x.dtype)
-        return y if self.bias is None else y + self.bias
+        shape = x.shape
+        x = x.reshape(-1, shape[-1]).float()
+        y = F.linear(x.to(torch.bfloat16), self.weight_bf16).float()
+        y = rescore(y, x, self.weight, self.bias, self.rescore_top)
+        return y.reshape(*shape[:-1], self.weight.shape[0])
 
 
 class Int8Linear(nn.Module):
@@ -51,7 +58,6 @@ class Int8Linear(nn.Module):
     def __init__(self, linear: nn.Linear, rescore_top: int = RESCORE_TOP):
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
-        """The float32 rows the shortlist is rescored from (shared with a tied embedding)."""
         weight = linear.weight.detach().float()
         scales = (weight.abs().amax(1).clamp_min(1e-12) / 127).double()
         qweight = _int8_rows(weight, scales)
@@ -64,13 +70,7 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1]).float()
-        y = self._int8(x)
-        if self.bias is not None:
-            y += self.bias
-        if self.rescore_top:
-            top = y.topk(self.rescore_top, dim=-1, sorted=False).indices
-            exact = torch.bmm(self.weight[top], x.unsqueeze(-1)).squeeze(-1)
-            y.scatter_(1, top, exact if self.bias is None else exact + self.bias[top])
+        y = rescore(self._int8(x), x, self.weight, self.bias, self.rescore_top)
         return y.reshape(*shape[:-1], self.out_features)
 
     def _int8(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,6 +82,19 @@ class Int8Linear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"reduce_range={self.reduce_range}, rescore_top={self.rescore_top}")
+
+
+def rescore(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+            top: int) -> torch.Tensor:
+    """Logits `y` [B, V] of hidden states `x` [B, H], bias added, with each row's `top` highest
+    recomputed exactly from the float32 `weight` rows."""
+    if bias is not None:
+        y += bias
+    if top:
+        ids = y.topk(top, dim=-1, sorted=False).indices
+        exact = torch.bmm(weight[ids], x.unsqueeze(-1)).squeeze(-1)
+        y.scatter_(1, ids, exact if bias is None else exact + bias[ids])
+    return y
 
 
 def _int8_rows(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
