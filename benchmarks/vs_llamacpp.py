@@ -134,7 +134,7 @@ def _runs(quick: bool) -> dict[str, dict[str, Any]]:
                                        "--output-tokens", "1"]},
         "prefix": {"np": 16, "ctx": 32768, "args": ["--concurrency", "16", "--requests", str(64 // n),
                                       "--warmup", "16", "--prefix-groups", "1",
-                                      "--prefix-tokens", "1000", "--input-tokens", "32",
+                                      "--prefix-tokens", "1000", "--input-tokens", "1032",
                                       "--output-tokens", "16"]},
         "slo": {"np": 32, "ctx": 16384, "args": ["--find-max-users", "--max-users", "64",
                                    "--slo", "ttft=2s,tpot=200ms", "--slo-attainment", "90",
