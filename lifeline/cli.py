@@ -15,6 +15,11 @@ WEIGHT_FORMATS = ("fp32", "bf16", "int8")
 if TYPE_CHECKING:
     from lifeline.server.config import ServerConfig
 
+DEFAULT_WEIGHTS = "int8"
+"""The command line's LM head format: the fastest one measured within 2% of float32's
+perplexity that passes the engine core's llama.cpp agreement test (docs/performance.md). The
+Python API (`LLM`, `EngineConfig`) keeps float32, the exact reference path."""
+
 MODEL_HELP = ("GGUF file, HF directory, or preset:NAME (random weights, token-id prompts; "
               "lifeline/model/presets.py) (default: Gemma 3 270M)")
 
@@ -33,8 +38,9 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
-    p.add_argument("--weights", choices=WEIGHT_FORMATS, default="fp32",
-                   help="LM head format: bf16 or int8 decode faster (docs/performance.md)")
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default=DEFAULT_WEIGHTS,
+                   help="LM head format (default int8: the fastest within 2%% of float32's "
+                        "perplexity; docs/performance.md)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -98,8 +104,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--weights", choices=WEIGHT_FORMATS, default="fp32",
-                   help="LM head format: bf16 or int8 decode faster (docs/performance.md)")
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default=DEFAULT_WEIGHTS,
+                   help="LM head format (default int8: the fastest within 2%% of float32's "
+                        "perplexity; docs/performance.md)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

@@ -408,7 +408,9 @@ def test_serve_flags_become_the_server_config():
     assert config.max_queued_requests == 3 and config.shutdown_timeout == 7
     assert config.reasoning_parser == "think" and config.tool_call_parser == "hermes"
     assert config.engine.max_num_seqs == 8 and not config.engine.enable_prefix_caching
-    assert serve_config(build_parser().parse_args(["serve"])).served_model_name is None
+    default = serve_config(build_parser().parse_args(["serve"]))
+    assert default.served_model_name is None
+    assert default.engine.weights == "int8"  # the fastest format within 2% perplexity
 
 
 def test_wrong_method_is_an_openai_405(http):
