@@ -137,7 +137,7 @@ def _runs(quick: bool) -> dict[str, dict[str, Any]]:
                                       "--prefix-tokens", "1000", "--input-tokens", "1032",
                                       "--output-tokens", "16"]},
         "slo": {"np": 32, "ctx": 16384, "args": ["--find-max-users", "--max-users", "64",
-                                   "--slo", "ttft=2s,tpot=200ms", "--slo-attainment", "90",
+                                   "--slo", "ttft=2s,tpot=200ms", "--slo-attainment", "0.9",
                                    "--input-tokens", "128", "--output-tokens", "64",
                                    "--requests", str(48 // n)]},
     }
