@@ -37,8 +37,9 @@ class EngineConfig:
     device: str = "cpu"
     """Where weights, KV cache and logits live ('cpu', 'cuda'); scheduling stays on the CPU."""
     weights: str = "fp32"
-    """'fp32' (as loaded) or 'int8' (an int8 LM head; see model/weight_format.py);
-    applied to the loaded model in place."""
+    """The LM head's format: 'fp32' (as loaded, the exact reference path), 'bf16' or 'int8'
+    (see model/weight_format.py; the command line defaults to int8); applied to the loaded
+    model in place."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
