@@ -25,12 +25,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lifeline.engine.kv_layout import layer_bytes_per_token, plan_kv  # noqa: E402
-from lifeline.engine.request import Request  # noqa: E402
-from lifeline.engine.sampling_params import SamplingParams  # noqa: E402
-from lifeline.engine.scheduler import Scheduler, SchedulerConfig  # noqa: E402
-from lifeline.model.config import ModelConfig  # noqa: E402
-from lifeline.model.presets import preset_config  # noqa: E402
+from lifeline.engine.kv_layout import layer_bytes_per_token, plan_kv
+from lifeline.engine.request import Request
+from lifeline.engine.sampling_params import SamplingParams
+from lifeline.engine.scheduler import Scheduler, SchedulerConfig
+from lifeline.model.config import ModelConfig
+from lifeline.model.presets import preset_config
 
 BLOCK = 16
 CHUNK = 2048

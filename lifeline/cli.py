@@ -9,16 +9,17 @@ from typing import TYPE_CHECKING
 from lifeline.bench.command import add_parser as bench_parser
 from lifeline.bench.command import cmd_bench
 
-WEIGHT_FORMATS = ("fp32", "bf16", "int8")
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int8-all")
 """lifeline.model.weight_format.WEIGHT_FORMATS, repeated so that parsing flags needs no torch."""
 
 if TYPE_CHECKING:
     from lifeline.server.config import ServerConfig
 
-DEFAULT_WEIGHTS = "int8"
-"""The command line's LM head format: the fastest one measured within 2% of float32's
-perplexity that passes the engine core's llama.cpp agreement test (docs/performance.md). The
-Python API (`LLM`, `EngineConfig`) keeps float32, the exact reference path."""
+DEFAULT_WEIGHTS = "int8-all"
+"""The command line's weight format: the fastest one measured within 2% of float32's
+perplexity that passes the engine core's llama.cpp agreement test (int8 weights everywhere,
+per-row activation scales; docs/performance.md). The Python API (`LLM`, `EngineConfig`) keeps
+float32, the exact reference path."""
 
 MODEL_HELP = ("GGUF file, HF directory, or preset:NAME (random weights, token-id prompts; "
               "lifeline/model/presets.py) (default: Gemma 3 270M)")
@@ -39,7 +40,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--weights", choices=WEIGHT_FORMATS, default=DEFAULT_WEIGHTS,
-                   help="LM head format (default int8: the fastest within 2%% of float32's "
+                   help="weight format (default int8-all: the fastest within 2%% of float32's "
                         "perplexity; docs/performance.md)")
 
 
@@ -105,7 +106,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--weights", choices=WEIGHT_FORMATS, default=DEFAULT_WEIGHTS,
-                   help="LM head format (default int8: the fastest within 2%% of float32's "
+                   help="weight format (default int8-all: the fastest within 2%% of float32's "
                         "perplexity; docs/performance.md)")
 
 

@@ -410,7 +410,7 @@ def test_serve_flags_become_the_server_config():
     assert config.engine.max_num_seqs == 8 and not config.engine.enable_prefix_caching
     default = serve_config(build_parser().parse_args(["serve"]))
     assert default.served_model_name is None
-    assert default.engine.weights == "int8"  # the fastest format within 2% perplexity
+    assert default.engine.weights == "int8-all"  # the fastest within 2% perplexity
 
 
 def test_wrong_method_is_an_openai_405(http):

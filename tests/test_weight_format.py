@@ -27,7 +27,7 @@ def fp32_logits():
     return LLM(load_model(), max_num_batched_tokens=512).prompt_logits(ESSAY)
 
 
-@pytest.fixture(scope="module", params=["bf16", "int8"])
+@pytest.fixture(scope="module", params=["bf16", "int8", "int8-all"])
 def fast_llm(request):
     llm = LLM(load_model(), weights=request.param, max_num_batched_tokens=512)
     assert llm.loaded.weight_format.endswith("->" + request.param)

@@ -37,9 +37,9 @@ class EngineConfig:
     device: str = "cpu"
     """Where weights, KV cache and logits live ('cpu', 'cuda'); scheduling stays on the CPU."""
     weights: str = "fp32"
-    """The LM head's format: 'fp32' (as loaded, the exact reference path), 'bf16' or 'int8'
-    (see model/weight_format.py; the command line defaults to int8); applied to the loaded
-    model in place."""
+    """'fp32' (as loaded, the exact reference path), 'bf16' or 'int8' (the LM head), 'int8-all'
+    (the head and every layer projection); see model/weight_format.py; the command line
+    defaults to int8-all. Applied to the loaded model in place."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

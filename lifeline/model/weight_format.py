@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-WEIGHT_FORMATS = ("fp32", "bf16", "int8")
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int8-all")
 RESCORE_TOP = 64
 """Tokens per row whose logits are recomputed in float32."""
 
@@ -122,14 +122,22 @@ def fbgemm_saturates() -> bool:
 
 
 def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
-    """Replace `model.lm_head` in place (embeddings tied to it keep their float32 copy)."""
+    """Replace `model.lm_head` in place (embeddings tied to it keep their float32 copy);
+    `int8-all` also every projection of every layer (int8 weights, per-row activation scales,
+    no float32 rescoring: a layer's outputs are not a ranking)."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; choose from {WEIGHT_FORMATS}")
     head = model.lm_head
     if fmt == "bf16":
         model.lm_head = BF16Linear(head)
-    elif fmt == "int8":
+    elif fmt in ("int8", "int8-all"):
         if head.weight.device.type != "cpu":
-            raise ValueError("the int8 LM head runs on the CPU only (fbgemm)")
+            raise ValueError("int8 weights run on the CPU only (fbgemm)")
         model.lm_head = Int8Linear(head)
+    if fmt == "int8-all":
+        for layer in model.layers:
+            for parent in layer.children():
+                for name, child in list(parent.named_children()):
+                    if type(child) is nn.Linear:
+                        setattr(parent, name, Int8Linear(child, rescore_top=0))
     return model
