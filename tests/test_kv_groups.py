@@ -140,12 +140,10 @@ def tiny_gemma(tmp_path_factory):
     import torch
     import transformers
 
+    from tests.test_models_hf import _config  # window 8: sliding, sliding, full
+
     torch.manual_seed(0)
-    cfg = transformers.Gemma3TextConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=320, max_position_embeddings=512, head_dim=32,
-        sliding_window=8, query_pre_attn_scalar=32,
-        layer_types=["sliding_attention", "sliding_attention", "full_attention"])
+    cfg = _config("gemma3")
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     model = model.float().eval()
     for name, p in model.named_parameters():

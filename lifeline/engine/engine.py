@@ -192,11 +192,13 @@ class LLMEngine:
         inputs = self.runner.prepare(out)
         started = self.clock()
         if self.moe is not None:
-            self.moe.begin(inputs.segments, len(inputs.order))
+            tokens = [s.num_new_tokens for s in inputs.order]
+            # Segment i (the i-th scheduled request) labels its tokens in the flattened step.
+            self.moe.begin(torch.repeat_interleave(torch.arange(len(tokens)),
+                                                   torch.tensor(tokens)), len(tokens))
         logits = self.runner.execute(inputs)
         if self.moe is not None:
-            self.moe.end([s.request.request_id for s in inputs.order],
-                         [s.num_new_tokens for s in inputs.order])
+            self.moe.end([s.request.request_id for s in inputs.order], tokens)
         self._record_prompt_logits(inputs, logits)
         sampled = self._sample(inputs, logits)
         done = self.clock()

@@ -26,8 +26,6 @@ class StepInputs:
     sampling: list[Request]
     prompt_logit_spans: list[tuple[Request, int, int]]
     """(request, first logits row, count) for requests that record their prompt logits."""
-    segments: torch.Tensor
-    """Index in `order` of each flattened token."""
 
 
 class ModelRunner:
@@ -149,10 +147,8 @@ class ModelRunner:
                     rows.append(last)
                 sampling.append(req)
             offset += n
-        segments = torch.repeat_interleave(torch.arange(len(order)), torch.tensor(
-            [s.num_new_tokens for s in order]))
         return StepInputs(input_ids, positions, meta, order, torch.tensor(rows, dtype=torch.long),
-                          sample_rows, sampling, spans, segments)
+                          sample_rows, sampling, spans)
 
     @torch.inference_mode()
     def execute(self, inputs: StepInputs) -> torch.Tensor:
