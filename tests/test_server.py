@@ -342,6 +342,10 @@ def test_bad_chat_requests_get_openai_errors_and_the_server_stays_up(http, name,
     assert ok.status_code == 200
 
 
+def _access_lines(caplog) -> list[dict]:
+    return [json.loads(r.getMessage()) for r in caplog.records if r.name == "lifeline.access"]
+
+
 def test_one_access_log_line_one_trace_and_metrics_per_request(server, client, caplog):
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
@@ -354,9 +358,13 @@ def test_one_access_log_line_one_trace_and_metrics_per_request(server, client, c
             out = client.completions.create(model=MODEL, prompt="Hello", max_tokens=3)
             with pytest.raises(openai.BadRequestError):
                 client.completions.create(model=MODEL, prompt="Hello", max_tokens=-1)
+            # the line is written after the response's last byte, so it can trail the client
+            deadline = time.monotonic() + 5
+            while len(_access_lines(caplog)) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
     finally:
         server.state.tracer = previous
-    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "lifeline.access"]
+    lines = _access_lines(caplog)
     assert [(line["endpoint"], line["status"]) for line in lines] == [
         ("/v1/completions", 200), ("/v1/completions", 400)]
     assert lines[0]["request_id"] == out.id

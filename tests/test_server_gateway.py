@@ -273,3 +273,40 @@ def test_drain_past_the_shutdown_timeout_aborts_what_is_left_and_exits(loaded):
         assert not srv.thread.is_alive() and time.monotonic() - start < 10
     finally:
         srv.stop()
+
+
+def test_the_model_loads_and_every_step_runs_on_the_engine_thread(loaded):
+    """PyTorch work stays on one thread (see lifeline.server.async_engine: a second thread with
+    an OpenMP team made every parallel kernel pay a wake-up). With a loader, `/ready` is 503 and
+    requests get 503 until the engine thread has loaded the model and built the engine."""
+    import threading
+
+    threads: dict[str, set[str]] = {"load": set(), "step": set()}
+    release = threading.Event()
+
+    def loader():
+        threads["load"].add(threading.current_thread().name)
+        release.wait(30)
+        return loaded
+
+    with ServerThread(loader, ServerConfig(engine=EngineConfig(
+            kv_cache_memory_bytes=SMALL_KV))) as srv, httpx.Client(base_url=srv.base_url) as http:
+        assert http.get("/ready").status_code == 503
+        early = http.post("/v1/completions", json={**LONG, "max_tokens": 2})
+        assert early.status_code == 503 and early.headers.get("retry-after")
+        release.set()
+        deadline = time.monotonic() + 60
+        while http.get("/ready").status_code != 200:
+            assert time.monotonic() < deadline, "the server never became ready"
+            time.sleep(0.05)
+        engine = srv.state.engine
+        step = engine.step
+
+        def recorded_step():
+            threads["step"].add(threading.current_thread().name)
+            return step()
+
+        engine.step = recorded_step
+        r = http.post("/v1/completions", json={**LONG, "max_tokens": 4})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    assert threads == {"load": {"lifeline-engine"}, "step": {"lifeline-engine"}}

@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from lifeline.model.loader import LoadedModel
+from lifeline.server.async_engine import AsyncEngine
 from lifeline.server.config import ServerConfig
 from lifeline.server.errors import APIError, bad_request, install_handlers
 from lifeline.server.middleware import GatewayMiddleware
@@ -28,19 +29,20 @@ def create_app(loaded_model: LoadedOrLoader, config: ServerConfig | None = None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        aengine = state.start_engine(lambda: loaded if loaded is not None else loaded_model())
         loader = None
         if loaded is not None:
-            state.attach(loaded)
+            aengine.built.wait()
+            state.attach(aengine)
         else:
             state.admission.loading = True
-            loader = asyncio.create_task(_load(state, loaded_model))
+            loader = asyncio.create_task(_load(state, aengine))
         try:
             yield
         finally:
             if loader is not None:
                 loader.cancel()
-            if state.aengine is not None:
-                state.aengine.stop()
+            aengine.stop()
             state.tracer.shutdown()
 
     app = FastAPI(title="Lifeline", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -53,9 +55,9 @@ def create_app(loaded_model: LoadedOrLoader, config: ServerConfig | None = None)
     return app
 
 
-async def _load(state: ServerState, loader: Any) -> None:
-    loaded = await run_in_threadpool(loader)
-    state.attach(loaded)
+async def _load(state: ServerState, aengine: AsyncEngine) -> None:
+    await run_in_threadpool(aengine.built.wait)
+    await run_in_threadpool(state.attach, aengine)  # reads the chat template: not on the loop
     state.admission.loading = False
 
 

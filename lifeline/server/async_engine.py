@@ -3,6 +3,13 @@
 The engine is not thread-safe: every call into it (add, abort, step) happens on the engine
 thread. Callers talk to it through a command queue; outputs come back to each request's
 asyncio queue via `call_soon_threadsafe`.
+
+The engine thread also builds the engine (and, for `lifeline serve`, loads the model): it
+should be the only live thread that has run PyTorch's parallel CPU kernels. Each such thread
+keeps its own OpenMP team (libgomp), and once the teams' threads outnumber the cores, libgomp
+stops letting idle workers spin, so every parallel kernel pays a futex wake-up: an int8 GEMM
+of one row took 3.5x longer (18 -> 66 us) and one user decoded at 31 instead of 55 tok/s
+when the model had been prepared on the event loop's thread (docs/performance.md).
 """
 from __future__ import annotations
 
@@ -33,8 +40,14 @@ class _Add:
 
 
 class AsyncEngine:
-    def __init__(self, engine: LLMEngine, on_finished: Callable[[RequestOutput], None] | None = None):
-        self.engine = engine
+    """`build` makes the engine on the engine thread (`start()` returns at once; `built` is set
+    when `engine` exists or `error` says why not)."""
+
+    def __init__(self, build: Callable[[], LLMEngine],
+                 on_finished: Callable[[RequestOutput], None] | None = None):
+        self.build = build
+        self.engine: LLMEngine | None = None
+        self.built = threading.Event()
         self.on_finished = on_finished
         self._commands: queue.Queue[Any] = queue.Queue()
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -89,6 +102,13 @@ class AsyncEngine:
         self._commands.put(("abort", request_id))
 
     def _run(self) -> None:
+        try:
+            self.engine = self.build()
+        except BaseException as exc:  # noqa: BLE001 - reported by whoever waits on `built`
+            self.error = exc
+            return
+        finally:
+            self.built.set()
         try:
             while not self._stop.is_set():
                 busy = self.engine.has_unfinished_requests()

@@ -70,16 +70,26 @@ class ServerState:
                    metrics=Metrics(model_id), access_log=AccessLog(),
                    tracer=Tracer.from_endpoint(config.otlp_endpoint))
 
-    def attach(self, loaded: LoadedModel) -> None:
-        """Bring up the engine on a loaded model (on start-up or after a background load)."""
+    def start_engine(self, load: Callable[[], LoadedModel]) -> AsyncEngine:
+        """Start the engine thread; it runs `load` and builds the engine (`attach` it once its
+        `built` is set). Loading there keeps PyTorch's parallel kernels on one thread (see
+        `lifeline.server.async_engine`)."""
+        config = self.config.engine
+        aengine = AsyncEngine(lambda: LLMEngine(load(), config))
+        aengine.start()
+        return aengine
+
+    def attach(self, aengine: AsyncEngine) -> None:
+        """Serve from `aengine`, whose engine is built (raises what building it raised)."""
         from lifeline.server.chat_frontend import ChatFrontend
 
-        self.loaded = loaded
-        self.engine = LLMEngine(loaded, self.config.engine)
-        self.aengine = AsyncEngine(self.engine)
+        if aengine.engine is None:
+            raise aengine.error or RuntimeError("the engine is not built yet")
+        self.loaded = loaded = aengine.engine.loaded
+        self.engine = aengine.engine
         self.chat = ChatFrontend(loaded, self.config)
         self.token_text = TokenText(loaded.tokenizer)
-        self.aengine.start()
+        self.aengine = aengine
 
     @property
     def ready(self) -> bool:
