@@ -99,6 +99,8 @@ def module_part(name: str) -> str | None:
         "v_proj": "attention: q/k/v/o projections", "o_proj": "attention: q/k/v/o projections",
         "q_norm": "attention: QK-norm + RoPE", "k_norm": "attention: QK-norm + RoPE",
         "self_attn": "attention: KV write + SDPA + reshape",
+        "qkv_proj": "attention: q/k/v/o projections",
+        "gate_up_proj": "MLP: gate/up/down projections",
         "gate_proj": "MLP: gate/up/down projections", "up_proj": "MLP: gate/up/down projections",
         "down_proj": "MLP: gate/up/down projections", "mlp": "MLP: GeGLU activation",
     }

@@ -72,7 +72,10 @@ def test_fast_head_gives_float32_logits_to_its_best_tokens(kind):
     assert head(x[:0]).shape == (0, 4096)
 
 
-def test_int8_row_does_not_depend_on_the_rows_batched_with_it():
+def test_int8_row_precision_does_not_depend_on_the_rows_batched_with_it():
+    """Activation scales are per row: a row batched with a 1000x outlier keeps the precision
+    it has alone. (Not bit for bit: a row alone takes fbgemm's own per-call quantization, the
+    same scale computed by a shorter path, so it can round differently.)"""
     layer = _layer()
     head = Int8Linear(layer, rescore_top=0)
     gen = torch.Generator().manual_seed(1)
@@ -80,8 +83,12 @@ def test_int8_row_does_not_depend_on_the_rows_batched_with_it():
     outlier = torch.randn(1, 64, generator=gen) * 1000
     alone, batched = head(row), head(torch.cat([row, outlier]))[:1]
     exact = layer(row)
-    assert torch.allclose(alone, batched, atol=1e-4 * float(exact.abs().max()))
-    assert float((alone - exact).abs().max()) < 0.02 * float(exact.abs().max())
+    bound = float(exact.abs().max())
+    assert float((alone - exact).abs().max()) < 0.02 * bound
+    assert float((batched - exact).abs().max()) < 0.02 * bound
+    per_call = torch.ops.quantized.linear_dynamic(torch.cat([row, outlier]), head.packed,
+                                                  False)[:1]  # one scale for the whole call
+    assert float((per_call - exact).abs().max()) > 0.1 * bound
 
 
 def test_int8_head_matches_fp32_on_rows_of_any_offset_and_scale():

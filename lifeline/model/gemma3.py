@@ -6,7 +6,7 @@ from torch import nn
 
 from lifeline.model.config import ModelConfig
 from lifeline.model.layers.attention import AttentionMetadata, paged_attention
-from lifeline.model.layers.linear import GatedMLP, linear
+from lifeline.model.layers.linear import GatedMLP, linear, project
 from lifeline.model.layers.norm import RMSNorm
 from lifeline.model.layers.rotary import RotaryEmbedding
 
@@ -29,9 +29,10 @@ class Gemma3Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],
                 meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(n, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(n, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = project(self, x, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+        q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim))
+        k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
         return self.o_proj(o.reshape(n, -1))

@@ -6,7 +6,7 @@ from torch import nn
 
 from lifeline.model.config import ModelConfig
 from lifeline.model.layers.attention import AttentionMetadata, paged_attention
-from lifeline.model.layers.linear import GatedMLP, linear
+from lifeline.model.layers.linear import GatedMLP, linear, project
 from lifeline.model.layers.norm import RMSNorm
 from lifeline.model.layers.rotary import RotaryEmbedding
 
@@ -31,9 +31,10 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],
                 meta: AttentionMetadata) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = project(self, x, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+        q = q.reshape(n, self.num_heads, self.head_dim)
+        k = k.reshape(n, self.num_kv_heads, self.head_dim)
+        v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lifeline.model.layers.linear import FusedProjections
+
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int8-all")
 RESCORE_TOP = 64
 """Tokens per row whose logits are recomputed in float32."""
@@ -57,7 +59,9 @@ class Int8Linear(nn.Module):
 
     def __init__(self, linear: nn.Linear, rescore_top: int = RESCORE_TOP):
         super().__init__()
-        self.weight, self.bias = linear.weight, linear.bias
+        # the float32 rows are kept only for rescoring
+        self.weight = linear.weight if rescore_top else None
+        self.bias = linear.bias
         weight = linear.weight.detach().float()
         scales = (weight.abs().amax(1).clamp_min(1e-12) / 127).double()
         qweight = _int8_rows(weight, scales)
@@ -74,6 +78,8 @@ class Int8Linear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def _int8(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] == 1:  # one row: fbgemm's own per-call scale is already per row
+            return torch.ops.quantized.linear_dynamic(x, self.packed, self.reduce_range)
         lo, hi = x.aminmax(dim=-1, keepdim=True)
         mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-12)
         y = torch.ops.quantized.linear_dynamic((x - mid) / half, self.packed, self.reduce_range)
@@ -137,7 +143,35 @@ def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
     if fmt == "int8-all":
         for layer in model.layers:
             for parent in layer.children():
+                for fused, names in FUSED:
+                    _fuse(parent, fused, names)
                 for name, child in list(parent.named_children()):
                     if type(child) is nn.Linear:
                         setattr(parent, name, Int8Linear(child, rescore_top=0))
     return model
+
+
+FUSED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+"""Projections of one input that `int8-all` runs as one GEMM (`FusedProjections`): each call
+into fbgemm costs ~15 us beyond its bytes, and q/k/v and gate/up share their input."""
+
+
+def _fuse(parent: nn.Module, fused: str, names: tuple[str, ...]) -> None:
+    """Replace `parent`'s float32 projections `names` by one int8 GEMM over their stacked rows
+    (weight scales are per row, so stacking changes no weight's quantization)."""
+    parts = [getattr(parent, name, None) for name in names]
+    if not all(type(part) is nn.Linear for part in parts):
+        return
+    weight = torch.cat([part.weight.detach() for part in parts])
+    stacked = nn.Linear(weight.shape[1], weight.shape[0],
+                        bias=any(part.bias is not None for part in parts),
+                        device=weight.device, dtype=weight.dtype)
+    stacked.weight.data = weight
+    if stacked.bias is not None:
+        stacked.bias.data = torch.cat([
+            part.bias.detach() if part.bias is not None else weight.new_zeros(part.out_features)
+            for part in parts])
+    setattr(parent, fused, FusedProjections(Int8Linear(stacked, rescore_top=0),
+                                            [part.out_features for part in parts]))
+    for name in names:
+        delattr(parent, name)

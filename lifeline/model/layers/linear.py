@@ -17,6 +17,29 @@ def linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear
     return layer
 
 
+class FusedProjections(nn.Module):
+    """Projections of the same input run as one GEMM over their stacked weights (q/k/v,
+    gate/up): one call instead of several, for weight formats whose calls cost more than their
+    bytes (`lifeline.model.weight_format`). Returns the parts, split."""
+
+    def __init__(self, linear: nn.Module, sizes: list[int]):
+        super().__init__()
+        self.linear, self.sizes = linear, sizes
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.linear(x).split(self.sizes, dim=-1)
+
+
+def project(module: nn.Module, x: torch.Tensor, fused: str, names: tuple[str, ...]
+            ) -> tuple[torch.Tensor, ...]:
+    """`module`'s projections `names` of `x`, through `module.<fused>` when a weight format
+    has stacked them into one `FusedProjections`."""
+    stacked = getattr(module, fused, None)
+    if stacked is not None:
+        return stacked(x)
+    return tuple(getattr(module, name)(x) for name in names)
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)): SwiGLU for Llama/Qwen, GeGLU for Gemma."""
 
@@ -30,4 +53,5 @@ class GatedMLP(nn.Module):
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(self, x, "gate_up_proj", ("gate_proj", "up_proj"))
+        return self.down_proj(self.act(gate) * up)

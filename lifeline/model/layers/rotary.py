@@ -40,12 +40,16 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)
         self.register_buffer("cos", freqs.cos(), persistent=False)
         self.register_buffer("sin", freqs.sin(), persistent=False)
+        self._positions: torch.Tensor | None = None
+        self._cos_sin: tuple[torch.Tensor, torch.Tensor] = ()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [N, H, D], k: [N, KVH, D], positions: [N]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
+        if positions is not self._positions:  # every layer of a step passes the same tensor
+            self._positions = positions
+            self._cos_sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        cos, sin = self._cos_sin
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
