@@ -79,8 +79,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if window is not None and meta.window_meta is not None:
         meta = meta.window_meta
     write_kv(k_cache, v_cache, k, v, meta.slot_mapping)
-    out = torch.empty_like(q)
     d = meta.num_decodes
+    if not meta.prefills:  # a decode-only step: no output buffer to assemble
+        return _decode(q, k_cache, v_cache, meta, scale, window)
+    out = torch.empty_like(q)
     if d:
         out[:d] = _decode(q[:d], k_cache, v_cache, meta, scale, window)
     for p in meta.prefills:
