@@ -121,7 +121,7 @@ class ModelRunner:
         lengths = ends - firsts
         length = int((skip + lengths).max())
         cols = torch.arange(length).unsqueeze(0)
-        meta.decode_slots = slots[:, :length]
+        meta.decode_slots = slots[:, :length].contiguous()
         meta.decode_valid = (cols >= skip.unsqueeze(1)) & (cols < (skip + lengths).unsqueeze(1))
         meta.decode_positions = skip + lengths - 1
 
