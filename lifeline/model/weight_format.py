@@ -1,10 +1,11 @@
-"""Weight formats a loaded model can run in: float32 as loaded, or a bf16 or int8 LM head.
+"""Weight formats a loaded model can run in: float32 as loaded, a bf16 or int8 LM head, or int8
+everywhere (`int8-all`, the command line's default).
 
-Only the LM head changes: it is most of a decode step's bytes and FLOPs (262,144 x 640 for
-Gemma 3 270M; see docs/performance.md), and quantizing every layer costs far more quality (int8
-everywhere, with one activation scale per call: 57% greedy agreement with float32, perplexity
-20.2 -> 38 on the essay). Quality and speed of each format: `benchmarks/weight_formats.py`,
-recorded in docs/performance.md.
+The LM head is most of a float32 decode step's bytes and FLOPs (262,144 x 640 for Gemma 3 270M;
+see docs/performance.md). `int8-all` also runs every layer projection in int8 with per-row
+activation scales (+1.66% perplexity on the essay; with one activation scale per call instead,
+57% greedy agreement with float32 and perplexity 20.2 -> 38). Quality and speed of each
+format: `benchmarks/weight_formats.py`, recorded in docs/performance.md.
 
 - `bf16`: a bfloat16 copy of the head (oneDNN; fast where the CPU has AVX512-BF16,
   ../shared/PEERS.md found bf16 slower than float32 at batch > 1 on an AVX2 machine without
@@ -16,7 +17,12 @@ recorded in docs/performance.md.
   saturate, see `fbgemm_saturates`). The final hidden state has channels 10-20x larger than the
   median one, so int8 logits can be off by ~1 and swap near-top tokens.
 
-Both then recompute the `RESCORE_TOP` highest logits of each row from the float32 weight rows
+A lone row (one decode at batch 1) goes straight to fbgemm, whose per-call scale is then the
+row's own: same precision, a tenth of the kernels, but not bit for bit the batched result.
+`int8-all` stacks the projections that share an input (q/k/v, gate/up) into one GEMM each
+(`FusedProjections`) and drops their float32 copies.
+
+Both head formats then recompute the `RESCORE_TOP` highest logits of each row from the float32 weight rows
 (64 x 640 per row, against 262,144 x 640), so every logit that can win is exact; the others
 stay approximations. Without it, int8 agrees with float32's argmax at 96% of the essay's
 positions and parts from llama.cpp's greedy text at a clear preference on one fixture prompt.
