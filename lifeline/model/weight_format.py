@@ -22,9 +22,9 @@ row's own: same precision, a tenth of the kernels, but not bit for bit the batch
 `int8-all` stacks the projections that share an input (q/k/v, gate/up) into one GEMM each
 (`FusedProjections`) and drops their float32 copies.
 
-Both head formats then recompute the `RESCORE_TOP` highest logits of each row from the float32 weight rows
-(64 x 640 per row, against 262,144 x 640), so every logit that can win is exact; the others
-stay approximations. Without it, int8 agrees with float32's argmax at 96% of the essay's
+Both head formats then recompute the `RESCORE_TOP` highest logits of each row from the float32
+weight rows (64 x 640 per row, against 262,144 x 640), so every logit that can win is exact;
+the others stay approximations. Without it, int8 agrees with float32's argmax at 96% of the essay's
 positions and parts from llama.cpp's greedy text at a clear preference on one fixture prompt.
 """
 from __future__ import annotations
