@@ -131,7 +131,10 @@ def test_multi_turn_sessions_grow_the_prompt_and_hit_the_prefix_cache(server, tm
                "--output-tokens", "4", "--json", str(out), "--quiet"])
     assert rc == 0
     records = json.loads(out.read_text())["requests"]
-    assert sorted(r["turn"] for r in records) == [0, 0, 1, 1, 2, 2]
+    # the users share the 6-request budget: a faster one can finish its session and open the
+    # next (turns 0,1,2,0 + 0,1), so only the shape of the count is fixed
+    turns = [r["turn"] for r in records]
+    assert len(turns) == 6 and turns.count(0) >= turns.count(1) >= turns.count(2) >= 1
     by_turn = {t: [r for r in records if r["turn"] == t] for t in (0, 1, 2)}
     first, last = by_turn[0][0]["usage_prompt_tokens"], by_turn[2][0]["usage_prompt_tokens"]
     assert last > first + 2 * 40  # two more prompts and two answers in the history
