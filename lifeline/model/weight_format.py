@@ -135,6 +135,11 @@ def fbgemm_saturates() -> bool:
     return False
 
 
+FUSED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
+"""Projections of one input that `int8-all` runs as one GEMM (`FusedProjections`): each call
+into fbgemm costs ~15 us beyond its bytes, and q/k/v and gate/up share their input."""
+
+
 def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
     """Replace `model.lm_head` in place (embeddings tied to it keep their float32 copy);
     `int8-all` also every projection of every layer (int8 weights, per-row activation scales,
@@ -157,11 +162,6 @@ def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
                     if type(child) is nn.Linear:
                         setattr(parent, name, Int8Linear(child, rescore_top=0))
     return model
-
-
-FUSED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
-"""Projections of one input that `int8-all` runs as one GEMM (`FusedProjections`): each call
-into fbgemm costs ~15 us beyond its bytes, and q/k/v and gate/up share their input."""
 
 
 def _fuse(parent: nn.Module, fused: str, names: tuple[str, ...]) -> None:
