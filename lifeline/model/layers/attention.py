@@ -118,17 +118,16 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     if past:
         k = _gather(k_cache, p.slots)
         v = _gather(v_cache, p.slots)
-    # 3-D [H, T, D] inputs: PyTorch's fused CPU kernels take only 4-D ones, so this is the math
-    # path (bmm + softmax; 8.9 against 5.8 ms for 512 tokens of Gemma 3 270M). The 4-D flash
-    # path makes prefill ~13% faster, but its different rounding flips int8-all's greedy pick on
-    # one llama.cpp fixture prompt (docs/performance.md, "Prefill attention"), so it waits until
-    # int8-all passes that check with a margin.
-    q_t, k_t, v_t = q.transpose(0, 1), _expand_heads(k, q), _expand_heads(v, q)
+    # 4-D [1, H, T, D] inputs: PyTorch's fused (flash) CPU kernel takes only 4-D ones; as 3-D
+    # this was the math path (bmm + softmax; 512 tokens of Gemma 3 270M: 8.9 against 5.8 ms).
+    q_t = q.transpose(0, 1).unsqueeze(0)
+    k_t, v_t = _expand_heads(k, q).unsqueeze(0), _expand_heads(v, q).unsqueeze(0)
     if past == 0 and (window is None or p.num_tokens <= window):
         o = F.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True, scale=scale)
     else:
         mask = _chunk_mask(p.num_tokens, p.context_len, window, q.device)
         o = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, scale=scale)
+    o = o.squeeze(0)
     return o.transpose(0, 1)
 
 
