@@ -9,9 +9,15 @@ from torch import nn
 from lifeline import LLM, SamplingParams
 from lifeline.model.default import default_model_path
 from lifeline.model.loader import load_model
-from lifeline.model.weight_format import (BF16Linear, Int8Linear, _fold_value_rotation,
-                                           apply_weight_format, hadamard, rotate_columns,
-                                           rotation_block)
+from lifeline.model.weight_format import (
+    BF16Linear,
+    Int8Linear,
+    _fold_value_rotation,
+    apply_weight_format,
+    hadamard,
+    rotate_columns,
+    rotation_block,
+)
 from tests.reference.gemma3_hf import build_reference_gemma3
 from tests.reference.llamacpp_agreement import parting
 from tests.test_gemma3_reference import LONG, PROMPTS
