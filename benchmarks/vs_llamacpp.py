@@ -1,7 +1,7 @@
 """Lifeline against llama.cpp's own server, same GGUF, same 2 threads, same machine, one run.
 
     .venv/bin/python benchmarks/vs_llamacpp.py --llama-server PATH/TO/llama-server [--quick]
-        [--model FILE.gguf] [--weights int8] [--json out.json] [--only users16,single,...]
+        [--model FILE.gguf] [--weights FORMAT] [--json out.json] [--only users16,single,...]
 
 Installs nothing and imports nothing heavy at import time. It starts each server on loopback as
 a subprocess (llama.cpp: `llama-server -t 2 -np N -c C`, 2,048 tokens
@@ -98,10 +98,10 @@ def llama_server(binary: Path, model: Path, slots: int, ctx: int) -> Server:
     return Server(f"llama.cpp -np {slots}", argv, port, "/health", env)
 
 
-def lifeline_server(model: Path, weights: str, extra: list[str] = ()) -> Server:
+def lifeline_server(model: Path, weights: str | None, extra: list[str] = ()) -> Server:
     port = free_port()
     argv = [sys.executable, "-m", "lifeline.cli", "serve", "--model", str(model), "--port",
-            str(port), "--weights", weights, *extra]
+            str(port), *(["--weights", weights] if weights else []), *extra]
     env = {"OMP_NUM_THREADS": str(THREADS), "PYTHONPATH": str(ROOT)}
     label = "lifeline" + (" " + " ".join(extra) if extra else "")
     return Server(label, argv, port, "/ready", env)
@@ -219,7 +219,8 @@ def main() -> None:
                         help="llama.cpp's llama-server binary")
     parser.add_argument("--model", type=Path, default=None,
                         help="GGUF file (default: the default model, Gemma 3 270M)")
-    parser.add_argument("--weights", default="int8", help="Lifeline's --weights")
+    parser.add_argument("--weights", default=None,
+                        help="Lifeline's --weights (default: `lifeline serve`'s own default)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", type=lambda s: s.split(","), default=list(WORKLOADS))
     parser.add_argument("--json", type=Path)
@@ -238,7 +239,7 @@ def main() -> None:
         args.json.write_text(json.dumps({
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "llama_server": str(args.llama_server), "model": str(args.model),
-            "weights": args.weights, "threads": THREADS, "quick": args.quick, "rows": rows},
+            "weights": args.weights or "lifeline serve default", "threads": THREADS, "quick": args.quick, "rows": rows},
             indent=1))
 
 
