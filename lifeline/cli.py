@@ -108,6 +108,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--weights", choices=WEIGHT_FORMATS, default=DEFAULT_WEIGHTS,
                    help="weight format (default int8-all: the fastest within 2%% of float32's "
                         "perplexity; docs/performance.md)")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the model through torch.compile (default; dense models on the CPU; "
+                        "compiles for seconds to a minute before /ready); --no-compile: eager")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -133,7 +136,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len,
                           enable_prefix_caching=not args.no_prefix_caching,
-                          weights=args.weights)
+                          weights=args.weights, compile=args.compile)
     name = args.served_model_name
     if name is None and args.model:
         path = Path(args.model)

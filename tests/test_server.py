@@ -409,16 +409,18 @@ def test_serve_flags_become_the_server_config():
         "serve", "--model", "/models/qwen3-0.6b.gguf", "--port", "9001", "--api-key", "a",
         "--api-key", "b", "--rate-limit-rpm", "5", "--max-queued-requests", "3",
         "--shutdown-timeout", "7", "--reasoning-parser", "think", "--tool-call-parser", "hermes",
-        "--max-num-seqs", "8", "--no-prefix-caching"])
+        "--max-num-seqs", "8", "--no-prefix-caching", "--no-compile"])
     config = serve_config(args)
     assert config.served_model_name == "qwen3-0.6b" and config.port == 9001
     assert config.api_keys == ["a", "b"] and config.rate_limit_rpm == 5
     assert config.max_queued_requests == 3 and config.shutdown_timeout == 7
     assert config.reasoning_parser == "think" and config.tool_call_parser == "hermes"
     assert config.engine.max_num_seqs == 8 and not config.engine.enable_prefix_caching
+    assert not config.engine.compile
     default = serve_config(build_parser().parse_args(["serve"]))
     assert default.served_model_name is None
     assert default.engine.weights == "int8-all"  # the fastest within 2% perplexity
+    assert default.engine.compile
 
 
 def test_wrong_method_is_an_openai_405(http):

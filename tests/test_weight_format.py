@@ -36,10 +36,13 @@ def fp32_logits():
     return LLM(load_model(), max_num_batched_tokens=512).prompt_logits(ESSAY)
 
 
-@pytest.fixture(scope="module", params=["bf16", "int8", "int8-all"])
+@pytest.fixture(scope="module", params=["bf16", "int8", "int8-all", "int8-all+compile"])
 def fast_llm(request):
-    llm = LLM(load_model(), weights=request.param, max_num_batched_tokens=512)
-    assert llm.loaded.weight_format.endswith("->" + request.param)
+    weights, _, compiled = request.param.partition("+")
+    llm = LLM(load_model(), weights=weights, max_num_batched_tokens=512,
+              compile=bool(compiled))  # int8-all+compile: what `lifeline serve` runs
+    assert llm.loaded.weight_format.endswith("->" + weights)
+    assert llm.engine.compiled == bool(compiled)
     return llm
 
 

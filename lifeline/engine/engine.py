@@ -41,6 +41,11 @@ class EngineConfig:
     (the head and every layer projection); see model/weight_format.py; the command line
     defaults to int8-all. Applied to the loaded model in place."""
 
+    compile: bool = False
+    """Run the model's forward through `torch.compile` (CPU, dense families; others stay
+    eager): fused small kernels, ~20% faster decode of one request, a compile of seconds to a
+    minute at the start (`LLMEngine.warmup`). The command line's `serve` defaults to it."""
+
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError("block_size must be positive")
@@ -98,6 +103,8 @@ class LLMEngine:
         self.runner = ModelRunner(loaded.model, mcfg, layout.groups[0].num_blocks,
                                   config.block_size, device=config.device,
                                   window_blocks=window.num_blocks if layout.hybrid else None)
+        self.compiled = config.compile and self.runner.compile()
+        """Whether the forward runs compiled (config.compile, where the model supports it)."""
         stats = getattr(loaded.model, "moe_stats", None)
         self.moe = MoEAccounting(mcfg, stats) if stats is not None else None
         """Routing accounting of an MoE model (None for a dense one)."""
@@ -107,6 +114,21 @@ class LLMEngine:
         self._outputs: dict[str, _OutputState] = {}
         self._counter = itertools.count()
         self.clock = time.perf_counter
+        self.warmup()
+
+    def warmup(self) -> None:
+        """Compile the forward's graphs before the first request: a step of several tokens
+        (the graph of every batch and chunk size from 2 up) and one of a single token. A
+        no-op when the forward runs eagerly."""
+        if not self.compiled:
+            return
+        params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+        for batch in (2, 1):  # 3-token prompts: no full block for the prefix cache to keep
+            for i in range(batch):
+                self.add_request([1 + i, 2, 3], params, request_id=f"warmup-{batch}-{i}")
+            while self.has_unfinished_requests():
+                self.step()
+        self._counter = itertools.count()
 
     @property
     def max_model_len(self) -> int:

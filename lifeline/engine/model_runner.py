@@ -37,6 +37,8 @@ class ModelRunner:
                  kv_dtype: torch.dtype = torch.float32, device: str = "cpu",
                  window_blocks: int | None = None):
         self.model = model
+        self.forward = model
+        """`model`, or its compiled forward (`compile`)."""
         self.config = config
         self.block_size = block_size
         self.device = torch.device(device)
@@ -51,6 +53,16 @@ class ModelRunner:
             shape = (blocks * block_size, config.num_kv_heads, config.head_dim)
             self.kv_caches.append((torch.zeros(shape, dtype=kv_dtype, device=self.device),
                                    torch.zeros(shape, dtype=kv_dtype, device=self.device)))
+
+    def compile(self) -> bool:
+        """Run the model's forward through `torch.compile` from now on, where its family
+        supports it (lifeline.model.compiled); False where it does not."""
+        from lifeline.model.compiled import compile_forward, supports_compile
+
+        if self.device.type != "cpu" or not supports_compile(self.model):
+            return False
+        self.forward = compile_forward(self.model, self.kv_caches)
+        return True
 
     @staticmethod
     def blocks_for_memory(config: ModelConfig, block_size: int, memory_bytes: int,
@@ -154,7 +166,7 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Logits `[len(logit_rows), vocab]` in float32."""
         dev = self.device
-        hidden = self.model(inputs.input_ids.to(dev), inputs.positions.to(dev), self.kv_caches,
+        hidden = self.forward(inputs.input_ids.to(dev), inputs.positions.to(dev), self.kv_caches,
                             inputs.meta.to(dev))
         if inputs.logit_rows.numel() == 0:
             return hidden.new_empty(0, self.config.vocab_size)

@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from lifeline.model.config import ModelConfig
-from lifeline.model.layers.attention import AttentionMetadata, paged_attention
+from lifeline.model.compiled import attention
+from lifeline.model.layers.attention import AttentionMetadata
 from lifeline.model.layers.linear import GatedMLP, linear, project
 from lifeline.model.layers.norm import RMSNorm
 from lifeline.model.layers.rotary import RotaryEmbedding
@@ -34,7 +35,7 @@ class Gemma3Attention(nn.Module):
         k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
+        o = attention(self, q, k, v, kv_cache, meta)
         return self.o_proj(o.reshape(n, -1))
 
 
@@ -58,6 +59,7 @@ class Gemma3DecoderLayer(nn.Module):
 
 
 class Gemma3ForCausalLM(nn.Module):
+    supports_compile = True
     norm_weight_offset = 1.0
     """HF checkpoints store Gemma norm weights as w for x*(1+w); we compute x*w like llama.cpp."""
 

@@ -5,7 +5,8 @@ import torch
 from torch import nn
 
 from lifeline.model.config import ModelConfig
-from lifeline.model.layers.attention import AttentionMetadata, paged_attention
+from lifeline.model.compiled import attention
+from lifeline.model.layers.attention import AttentionMetadata
 from lifeline.model.layers.linear import GatedMLP, linear, project
 from lifeline.model.layers.norm import RMSNorm
 from lifeline.model.layers.rotary import RotaryEmbedding
@@ -27,6 +28,7 @@ class LlamaAttention(nn.Module):
         self.rotary = rotary
         self.window = cfg.sliding_window if cfg.layer_types[layer_idx] == "sliding" else None
         self.scale = cfg.attn_scale
+        self.layer_idx = layer_idx
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -38,7 +40,7 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, self.window)
+        o = attention(self, q, k, v, kv_cache, meta)
         return self.o_proj(o.reshape(n, -1))
 
 
@@ -57,6 +59,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    supports_compile = True
     norm_weight_offset = 0.0
 
     def __init__(self, cfg: ModelConfig):

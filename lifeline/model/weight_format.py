@@ -95,13 +95,22 @@ class Int8Linear(nn.Module):
         self.rescore_top = min(rescore_top, weight.shape[0])
         self.out_features, self.in_features = weight.shape
 
+    compile_handle: int | None = None
+    """Set by `lifeline.model.compiled.compile_forward`: compiled code calls `int8_gemm`
+    through an operator by this handle (Dynamo cannot trace fbgemm's packed weights)."""
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1]).float()
-        y = rescore(self._int8(x), x, self.weight, self.bias, self.rescore_top)
+        if self.compile_handle is not None and torch.compiler.is_compiling():
+            y = self._traced_int8_matmul(x)
+        else:
+            y = self.int8_matmul(x)
+        y = rescore(y, x, self.weight, self.bias, self.rescore_top)
         return y.reshape(*shape[:-1], self.out_features)
 
-    def _int8(self, x: torch.Tensor) -> torch.Tensor:
+    def int8_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """W x for float32 rows `x` [N, in], biasless and unrescored."""
         if self.rotation is not None:
             x = rotate_columns(x, self.rotation)
         if x.shape[0] == 1:  # one row: fbgemm's own per-call scale is already per row
@@ -120,6 +129,25 @@ class Int8Linear(nn.Module):
         mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-12)
         y = torch.ops.quantized.linear_dynamic((x - mid).div_(half), self.packed, self.reduce_range)
         return y.mul_(half).addmm_(mid, self.row_sums)  # in place: the head's rows are 1 MiB
+
+    def _traced_int8_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """`int8_matmul` as the compiler sees it: rotation and scales in the graph, where they
+        fuse into a few loops, and only fbgemm's call (`int8_gemm`) behind an operator."""
+        if self.rotation is not None:
+            x = hadamard_transform(x, self.rotation.shape[0])
+        gemm = torch.ops.lifeline.int8_linear
+        if x.shape[0] == 1:
+            return gemm(x, self.compile_handle)
+        if self.rotation is not None:
+            amax = x.abs().amax(-1, keepdim=True).clamp_min(1e-12)
+            return gemm(x / amax, self.compile_handle) * amax
+        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+        mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-12)
+        return gemm((x - mid) / half, self.compile_handle) * half + mid * self.row_sums
+
+    def int8_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """fbgemm's dynamic int8 GEMM alone (one activation scale for the call)."""
+        return torch.ops.quantized.linear_dynamic(x, self.packed, self.reduce_range)
 
     def extra_repr(self) -> str:
         rotate = 0 if self.rotation is None else self.rotation.shape[0]
@@ -145,6 +173,20 @@ def rotate_columns(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     rows, cols = x.shape
     b = h.shape[0]
     return torch.matmul(x.reshape(rows, cols // b, b), h).reshape(rows, cols)
+
+
+def hadamard_transform(x: torch.Tensor, block: int) -> torch.Tensor:
+    """`rotate_columns(x, hadamard(block))` as log2(block) butterfly stages: many small ops in
+    eager mode, one fused loop once compiled."""
+    rows, cols = x.shape
+    y = x.reshape(rows, cols // block, block)
+    h = 1
+    while h < block:
+        y = y.reshape(rows, cols // block, block // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2)
+        h *= 2
+    return y.reshape(rows, cols) * block ** -0.5
 
 
 def rotation_block(features: int, largest: int = ROTATE_BLOCK) -> int:

@@ -46,10 +46,14 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [N, H, D], k: [N, KVH, D], positions: [N]."""
-        if positions is not self._positions:  # every layer of a step passes the same tensor
-            self._positions = positions
-            self._cos_sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
-        cos, sin = self._cos_sin
+        if torch.compiler.is_compiling():  # the compiler shares the lookup across layers
+            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        else:
+            if positions is not self._positions:  # every layer of a step passes this tensor
+                self._positions = positions
+                self._cos_sin = (self.cos[positions].unsqueeze(1),
+                                 self.sin[positions].unsqueeze(1))
+            cos, sin = self._cos_sin
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
