@@ -4,8 +4,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lifeline.model.config import ModelConfig
 from lifeline.model.compiled import attention
+from lifeline.model.config import ModelConfig
 from lifeline.model.layers.attention import AttentionMetadata
 from lifeline.model.layers.linear import GatedMLP, linear, project
 from lifeline.model.layers.norm import RMSNorm
