@@ -17,6 +17,7 @@ from lifeline.model.weight_format import (
     hadamard,
     rotate_columns,
     rotation_block,
+    shortlist_argmax,
 )
 from tests.reference.gemma3_hf import build_reference_gemma3
 from tests.reference.llamacpp_agreement import parting
@@ -173,3 +174,19 @@ def test_value_rotation_folded_into_the_weights_leaves_the_logits_unchanged(kind
         assert _fold_value_rotation(layer.self_attn) == {"o_proj"}
     after = llm.prompt_logits(ids)
     assert torch.allclose(before, after, atol=1e-4), float((before - after).abs().max())
+
+
+@pytest.mark.parametrize("kind", [BF16Linear, Int8Linear])
+def test_head_shortlist_proves_the_argmax_or_says_it_cannot(kind):
+    head = kind(_layer(rows=4096))
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(7))
+    logits = head(x)
+    known = head.last_argmax
+    assert known.shape == (32,) and bool((known >= 0).all())
+    assert torch.equal(known, logits.argmax(-1))
+    # the shortlist's exact best (4.0) does not beat its lowest approximation (5.0): unknown;
+    # ties go to the lowest token id, as argmax does
+    approx = torch.tensor([[9.0, 5.0, 7.0], [9.0, 5.0, 7.0]])
+    ids = torch.tensor([[10, 3, 7], [10, 3, 7]])
+    exact = torch.tensor([[4.0, 1.0, 2.0], [8.0, 6.0, 8.0]])
+    assert shortlist_argmax(approx, ids, exact, 4096).tolist() == [-1, 7]

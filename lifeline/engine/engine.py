@@ -233,9 +233,12 @@ class LLMEngine:
         # sample_rows rise strictly below len(logits): as many as rows means every row, in order
         every = len(inputs.sample_rows) == logits.shape[0]
         rows = logits if every else logits[inputs.sample_rows]  # a decode step: no 16 MB copy
+        argmax = self.runner.last_argmax
+        if argmax is not None and not every:
+            argmax = argmax[inputs.sample_rows]
         batch = [SamplingInput(r.params, r.prompt_token_ids, r.output_token_ids, r.generator)
                  for r in inputs.sampling]
-        return self.sampler(rows, batch)
+        return self.sampler(rows, batch, argmax)
 
     def _record_prompt_logits(self, inputs: StepInputs, logits: torch.Tensor) -> None:
         for req, first, count in inputs.prompt_logit_spans:

@@ -38,6 +38,9 @@ class ModelRunner:
                  window_blocks: int | None = None):
         self.model = model
         self.forward = model
+        self.last_argmax: torch.Tensor | None = None
+        """Per row of the last `execute`'s logits, its argmax where the LM head's shortlist
+        proved it, else -1; None for heads without one (weight_format.shortlist_argmax)."""
         """`model`, or its compiled forward (`compile`)."""
         self.config = config
         self.block_size = block_size
@@ -168,6 +171,10 @@ class ModelRunner:
         dev = self.device
         hidden = self.forward(inputs.input_ids.to(dev), inputs.positions.to(dev), self.kv_caches,
                             inputs.meta.to(dev))
+        self.last_argmax = None
         if inputs.logit_rows.numel() == 0:
             return hidden.new_empty(0, self.config.vocab_size)
-        return self.model.compute_logits(hidden[inputs.logit_rows.to(dev)]).float()
+        logits = self.model.compute_logits(hidden[inputs.logit_rows.to(dev)]).float()
+        head = self.model.lm_head
+        self.last_argmax, head.last_argmax = getattr(head, "last_argmax", None), None
+        return logits

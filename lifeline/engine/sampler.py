@@ -64,9 +64,16 @@ class Sampler:
     def __init__(self, eos_token_ids: Iterable[int] = ()) -> None:
         self.eos_token_ids = sorted(set(eos_token_ids))
 
-    def __call__(self, logits: torch.Tensor, inputs: Sequence[SamplingInput]) -> SamplerOutput:
+    def __call__(self, logits: torch.Tensor, inputs: Sequence[SamplingInput],
+                 argmax: torch.Tensor | None = None) -> SamplerOutput:
+        """`argmax`: each row's argmax where already known, else -1 (from the LM head's
+        shortlist, `lifeline.model.weight_format.shortlist_argmax`)."""
         assert logits.dim() == 2 and logits.size(0) == len(inputs)
         if all(x.params.greedy and not needs_processing(x) for x in inputs):
+            if argmax is not None:
+                known = argmax.tolist()
+                if known and min(known) >= 0:
+                    return SamplerOutput(known, [None] * len(inputs))
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(inputs))
         processed = self._process(logits, inputs)
         random_rows = [i for i, x in enumerate(inputs) if not x.params.greedy]

@@ -54,6 +54,9 @@ better, and a block's cost grows with its size (512 x 2,048: 0.39 ms at 32, 2.6 
 class BF16Linear(nn.Module):
     """y = W x in bfloat16 (oneDNN), the top `RESCORE_TOP` in float32."""
 
+    last_argmax: torch.Tensor | None = None
+    """Each row's argmax of the last call's logits where its shortlist proves it, else -1."""
+
     def __init__(self, linear: nn.Linear, rescore_top: int = RESCORE_TOP):
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
@@ -64,7 +67,7 @@ class BF16Linear(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1]).float()
         y = F.linear(x.to(torch.bfloat16), self.weight_bf16).float()
-        y = rescore(y, x, self.weight, self.bias, self.rescore_top)
+        y = rescore(y, x, self.weight, self.bias, self.rescore_top, self)
         return y.reshape(*shape[:-1], self.weight.shape[0])
 
 
@@ -95,6 +98,8 @@ class Int8Linear(nn.Module):
         self.rescore_top = min(rescore_top, weight.shape[0])
         self.out_features, self.in_features = weight.shape
 
+    last_argmax: torch.Tensor | None = None
+    """Each row's argmax of the last call's logits where its shortlist proves it, else -1."""
     compile_handle: int | None = None
     """Set by `lifeline.model.compiled.compile_forward`: compiled code calls `int8_gemm`
     through an operator by this handle (Dynamo cannot trace fbgemm's packed weights)."""
@@ -106,7 +111,7 @@ class Int8Linear(nn.Module):
             y = self._traced_int8_matmul(x)
         else:
             y = self.int8_matmul(x)
-        y = rescore(y, x, self.weight, self.bias, self.rescore_top)
+        y = rescore(y, x, self.weight, self.bias, self.rescore_top, self)
         return y.reshape(*shape[:-1], self.out_features)
 
     def int8_matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -201,16 +206,33 @@ def rotation_block(features: int, largest: int = ROTATE_BLOCK) -> int:
 
 
 def rescore(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            top: int) -> torch.Tensor:
+            top: int, head: nn.Module | None = None) -> torch.Tensor:
     """Logits `y` [B, V] of hidden states `x` [B, H], bias added, with each row's `top` highest
-    recomputed exactly from the float32 `weight` rows."""
+    recomputed exactly from the float32 `weight` rows. Sets `head.last_argmax` (see
+    `shortlist_argmax`) when `head` is given."""
     if bias is not None:
         y += bias
     if top:
-        ids = y.topk(top, dim=-1, sorted=False).indices
+        approx, ids = y.topk(top, dim=-1, sorted=False)
         exact = torch.bmm(weight[ids], x.unsqueeze(-1)).squeeze(-1)
-        y.scatter_(1, ids, exact if bias is None else exact + bias[ids])
+        if bias is not None:
+            exact = exact + bias[ids]
+        y.scatter_(1, ids, exact)
+        if head is not None:
+            head.last_argmax = shortlist_argmax(approx, ids, exact, y.shape[1])
     return y
+
+
+def shortlist_argmax(approx: torch.Tensor, ids: torch.Tensor, exact: torch.Tensor,
+                     vocab: int) -> torch.Tensor:
+    """Each row's argmax over the rescored logits, from its shortlist alone, or -1 where the
+    shortlist cannot prove it: every logit outside the shortlist is at most the lowest
+    approximate value inside it, so an exact maximum above that is the row's maximum (ties go
+    to the lowest token id, as `argmax` does). Spares greedy decoding a pass over the
+    vocabulary (16 x 262,144 logits: ~1.2 ms)."""
+    best = exact.amax(-1, keepdim=True)
+    token = torch.where(exact == best, ids, vocab).amin(-1)
+    return torch.where(best.squeeze(-1) > approx.amin(-1), token, -1)
 
 
 def _int8_rows(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
