@@ -86,9 +86,7 @@ class Int8Linear(nn.Module):
         self.bias = linear.bias
         weight = linear.weight.detach().float()
         self.rotation = hadamard(rotate) if rotate else None
-        if rotate:
-            if rescore_top:
-                raise ValueError("a rotated layer cannot rescore from its unrotated rows")
+        if rotate:  # rescoring reads the unrotated float32 rows, with the unrotated input
             weight = rotate_columns(weight, self.rotation)
         scales = (weight.abs().amax(1).clamp_min(1e-12) / 127).double()
         qweight = _int8_rows(weight, scales)
@@ -265,7 +263,8 @@ def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
     elif fmt in ("int8", "int8-all"):
         if head.weight.device.type != "cpu":
             raise ValueError("int8 weights run on the CPU only (fbgemm)")
-        model.lm_head = Int8Linear(head)
+        rotate = rotation_block(head.in_features) if fmt == "int8-all" else 0
+        model.lm_head = Int8Linear(head, rotate=rotate)
     if fmt == "int8-all":
         for layer in model.layers:
             for parent in layer.children():
