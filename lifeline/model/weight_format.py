@@ -99,8 +99,9 @@ class Int8Linear(nn.Module):
     last_argmax: torch.Tensor | None = None
     """Each row's argmax of the last call's logits where its shortlist proves it, else -1."""
     compile_handle: int | None = None
-    """Set by `lifeline.model.compiled.compile_forward`: compiled code calls `int8_gemm`
-    through an operator by this handle (Dynamo cannot trace fbgemm's packed weights)."""
+    """Set by `lifeline.model.compiled.compile_forward`: compiled code calls fbgemm's GEMM
+    with this layer's packed weights through an operator by this handle (Dynamo cannot trace
+    fbgemm's packed weights)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -135,10 +136,10 @@ class Int8Linear(nn.Module):
 
     def _traced_int8_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`int8_matmul` as the compiler sees it: rotation and scales in the graph, where the
-        scales fuse with the ops around them, and only fbgemm's call (`int8_gemm`) behind an
-        operator. The rotation stays a matmul: written as butterflies, Inductor fused each
-        output with its 32 inputs' producers and recomputed GeGLU 32 times (a 512-token
-        prefill 156 -> 181 ms)."""
+        scales fuse with the ops around them, and only fbgemm's call behind an operator
+        (`lifeline::int8_linear`). The rotation stays a matmul: written as butterflies,
+        Inductor fused each output with its 32 inputs' producers and recomputed GeGLU 32 times
+        (a 512-token prefill 156 -> 181 ms)."""
         if self.rotation is not None:
             x = rotate_columns(x, self.rotation)
         gemm = torch.ops.lifeline.int8_linear
@@ -150,10 +151,6 @@ class Int8Linear(nn.Module):
         lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
         mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-12)
         return gemm((x - mid) / half, self.compile_handle) * half + mid * self.row_sums
-
-    def int8_gemm(self, x: torch.Tensor) -> torch.Tensor:
-        """fbgemm's dynamic int8 GEMM alone (one activation scale for the call)."""
-        return torch.ops.quantized.linear_dynamic(x, self.packed, self.reduce_range)
 
     def extra_repr(self) -> str:
         rotate = 0 if self.rotation is None else self.rotation.shape[0]
