@@ -36,8 +36,8 @@ class AttentionMetadata:
     decode_valid: torch.Tensor | None = None
     """`[D, L]` True where the slot holds a real context position."""
     prefills: list[PrefillSeq] = field(default_factory=list)
-    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)
-    """Decode masks per sliding window (None = full), built once per step."""
+    masks: dict[tuple[int | None, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    """Decode masks per sliding window (None = full) and dtype, built once per step."""
     window_meta: AttentionMetadata | None = None
     """The same step seen through the block table of a hybrid model's sliding-window layers,
     whose KV lives in pools of their own (`KVCacheManager`); None when all layers share one."""
@@ -53,16 +53,20 @@ class AttentionMetadata:
                                  move(self.decode_slots), move(self.decode_positions),
                                  move(self.decode_valid), prefills, window_meta=window_meta)
 
-    def decode_mask(self, window: int | None) -> torch.Tensor:
-        mask = self.masks.get(window)
+    def decode_mask(self, window: int | None, dtype: torch.dtype = torch.float32
+                    ) -> torch.Tensor:
+        """Additive `[D, 1, 1, L]` mask (0 or -inf), built once per step and window: a boolean
+        mask would be converted by every layer's SDPA call."""
+        mask = self.masks.get((window, dtype))
         if mask is None:
-            mask = self.decode_valid
+            valid = self.decode_valid
             if window is not None:
                 length = self.decode_valid.shape[1]
-                pos_k = torch.arange(length, device=mask.device).unsqueeze(0)
-                mask = mask & (pos_k > self.decode_positions.unsqueeze(1) - window)
-            mask = mask[:, None, None, :]
-            self.masks[window] = mask
+                pos_k = torch.arange(length, device=valid.device).unsqueeze(0)
+                valid = valid & (pos_k > self.decode_positions.unsqueeze(1) - window)
+            mask = torch.zeros(valid.shape, dtype=dtype, device=valid.device)
+            mask = mask.masked_fill_(~valid, float("-inf"))[:, None, None, :]
+            self.masks[window, dtype] = mask
         return mask
 
 
@@ -99,7 +103,7 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     keys = _gather(k_cache, meta.decode_slots).transpose(1, 2)
     values = _gather(v_cache, meta.decode_slots).transpose(1, 2)
     q = q.view(num_seqs, kv_heads, group, head_dim)
-    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.decode_mask(window),
+    o = F.scaled_dot_product_attention(q, keys, values, attn_mask=meta.decode_mask(window, q.dtype),
                                        scale=scale)
     return o.reshape(num_seqs, num_heads, head_dim)
 
