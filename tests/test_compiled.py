@@ -8,21 +8,12 @@ import transformers
 
 from lifeline import LLM, SamplingParams
 from tests.reference.tiny_hf import hf_greedy
-from tests.test_models_hf import _config, _prompt
+from tests.test_models_hf import _prompt, tiny_model
 
 
 @pytest.fixture(scope="module", params=["gemma3", "qwen3"])
 def tiny(request, tmp_path_factory):
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(
-        _config(request.param), attn_implementation="eager").float().eval()
-    if request.param == "gemma3":
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                torch.nn.init.normal_(p, std=0.3)
-    path = tmp_path_factory.mktemp(request.param)
-    model.save_pretrained(path)
-    return request.param, model, path
+    return tiny_model(request.param, tmp_path_factory)
 
 
 def _unique_graphs() -> int:

@@ -31,23 +31,28 @@ def _config(kind: str):
     raise ValueError(kind)
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3"])
-def tiny(request, tmp_path_factory):
+def tiny_model(kind: str, tmp_path_factory) -> tuple:
+    """(kind, transformers model, saved directory) of a tiny random model of `kind`."""
     torch.manual_seed(0)
-    cfg = _config(request.param)
+    cfg = _config(kind)
     model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
     model = model.float().eval()
-    if request.param == "qwen2":
+    if kind == "qwen2":
         for layer in model.model.layers:  # random biases, so the bias path is exercised
             for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                 torch.nn.init.normal_(proj.bias, std=0.5)
-    if request.param == "gemma3":
+    if kind == "gemma3":
         for name, p in model.named_parameters():
             if "norm" in name:
                 torch.nn.init.normal_(p, std=0.3)
-    path = tmp_path_factory.mktemp(request.param)
+    path = tmp_path_factory.mktemp(kind)
     model.save_pretrained(path)
-    return request.param, model, path
+    return kind, model, path
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3", "gemma3"])
+def tiny(request, tmp_path_factory):
+    return tiny_model(request.param, tmp_path_factory)
 
 
 def _prompt(n: int, seed: int) -> list[int]:
