@@ -44,7 +44,7 @@ _step = threading.local()
 
 
 def _int8_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
-    packed, reduce_range, _ = _GEMMS[handle]  # no module lookups: ~16 -> ~10 us a call
+    packed, reduce_range, _ = _GEMMS[handle]  # a dict lookup, no module attribute lookups
     return _linear_dynamic(x, packed, reduce_range)
 
 
