@@ -38,10 +38,10 @@ class ModelRunner:
                  window_blocks: int | None = None):
         self.model = model
         self.forward = model
+        """`model`, or its compiled forward (`compile`)."""
         self.last_argmax: torch.Tensor | None = None
         """Per row of the last `execute`'s logits, its argmax where the LM head's shortlist
         proved it, else -1; None for heads without one (weight_format.shortlist_argmax)."""
-        """`model`, or its compiled forward (`compile`)."""
         self.config = config
         self.block_size = block_size
         self.device = torch.device(device)
