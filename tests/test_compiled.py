@@ -71,3 +71,28 @@ def test_moe_models_stay_eager(tmp_path):
     out = llm.generate({"prompt_token_ids": [1, 2, 3]},
                        SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))[0]
     assert len(out.token_ids) == 3
+
+
+def test_native_int8_operator_runs_fbgemm_by_handle_while_the_layer_lives():
+    """`lifeline_ext::int8_linear` (C++, built on first use) must compute exactly fbgemm's
+    result for the layer its handle names, and forget the handle with the layer."""
+    import gc
+
+    from lifeline.model.compiled import int8_linear_op, native_int8_linear, register_int8_linear
+    from lifeline.model.weight_format import Int8Linear
+
+    assert native_int8_linear(), "the C++ operator did not build (see the warning)"
+    assert int8_linear_op() is torch.ops.lifeline_ext.int8_linear
+    gen = torch.Generator().manual_seed(0)
+    layer = torch.nn.Linear(64, 96, bias=False)
+    layer.weight.data = torch.randn(96, 64, generator=gen)
+    int8 = Int8Linear(layer, rescore_top=0)
+    handle = register_int8_linear(int8)
+    x = torch.randn(3, 64, generator=gen)
+    ours = torch.ops.lifeline_ext.int8_linear(x, handle)
+    assert torch.equal(ours, torch.ops.quantized.linear_dynamic(x, int8.packed, int8.reduce_range))
+    assert torch.ops.lifeline_ext.int8_linear(x, handle).shape == (3, 96)
+    del int8
+    gc.collect()
+    with pytest.raises(RuntimeError, match="no int8 layer has handle"):
+        torch.ops.lifeline_ext.int8_linear(x, handle)

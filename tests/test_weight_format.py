@@ -15,6 +15,7 @@ from lifeline.model.weight_format import (
     _fold_value_rotation,
     apply_weight_format,
     hadamard,
+    onednn_int8,
     rotate_columns,
     rotation_block,
     shortlist_argmax,
@@ -190,3 +191,26 @@ def test_head_shortlist_proves_the_argmax_or_says_it_cannot(kind):
     ids = torch.tensor([[10, 3, 7], [10, 3, 7]])
     exact = torch.tensor([[4.0, 1.0, 2.0], [8.0, 6.0, 8.0]])
     assert shortlist_argmax(approx, ids, exact, 4096).tolist() == [-1, 7]
+
+
+@pytest.mark.parametrize("rotate", [0, 32])
+def test_int8_batches_through_onednn_agree_with_fbgemm(rotate):
+    """Batches of rows take oneDNN's int8 GEMM where it exists (faster at 16 rows and in
+    prefill), lone rows fbgemm's: both quantize each row by its own scale, so they must agree
+    to within the int8 rounding of either, and both stay as close to float32."""
+    if not onednn_int8():
+        pytest.skip("this PyTorch has no oneDNN int8 GEMM, or it saturates on this CPU")
+    layer = _layer(rows=1024, cols=128)
+    ours = Int8Linear(layer, rescore_top=0, rotate=rotate)
+    assert ours.onednn
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(16, 128, generator=gen) * torch.logspace(-2, 2, 16).unsqueeze(1) + 0.5
+    exact = layer(x)
+    onednn = ours.int8_matmul(x)
+    ours.onednn = False
+    fbgemm = ours.int8_matmul(x)
+    lone = torch.cat([ours.int8_matmul(row) for row in x.split(1)])
+    scale = exact.abs().amax(1, keepdim=True)
+    for y in (onednn, fbgemm, lone):
+        assert float(((y - exact) / scale).abs().max()) < 0.02
+    assert float(((onednn - fbgemm) / scale).abs().max()) < 0.01

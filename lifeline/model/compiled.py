@@ -20,16 +20,35 @@ structure does not change after `compile_forward`.
 """
 from __future__ import annotations
 
+import functools
+import subprocess
 import threading
 import types
+import warnings
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from lifeline.model.layers.attention import paged_attention
+
+
+def _onednn_int8_as_is() -> None:
+    """Have Inductor call oneDNN's int8 GEMM as it is (a fallback kernel) instead of lowering
+    it: its lowering expects the packed weights as constants of a frozen graph
+    (`freezing=True`, which our lifted module attributes are not)."""
+    from torch._inductor import lowering, mkldnn_lowerings  # noqa: F401 (registers the lowering)
+
+    op = torch.ops.onednn.qlinear_pointwise.default
+    lowering.lowerings.pop(op, None)
+    lowering.make_fallback(op, warn=False)
+
+
+if hasattr(torch.ops.onednn, "qlinear_pointwise"):
+    _onednn_int8_as_is()
 
 _LIB = torch.library.Library("lifeline", "DEF")
 _LIB.define("int8_linear(Tensor x, int handle) -> Tensor")
@@ -71,12 +90,49 @@ _LIB.impl("paged_attention", _paged_attention, "CPU")
 _LIB.impl("paged_attention", _paged_attention_meta, "Meta")
 
 
+_native_lock = threading.Lock()
+
+
+@functools.cache
+def native_int8_linear() -> bool:
+    """Build and load `lifeline_ext::int8_linear` (lifeline/csrc/int8_linear.cpp): the same
+    GEMM as `lifeline::int8_linear` without a round trip through Python on each call. Built
+    once per machine and PyTorch (~11 s on 2 cores; PyTorch caches it under
+    ~/.cache/torch_extensions); False, with a warning, where it cannot be built, and the
+    Python operator serves instead."""
+    with _native_lock:
+        try:
+            from torch.utils import cpp_extension
+
+            source = Path(__file__).resolve().parent.parent / "csrc" / "int8_linear.cpp"
+            cpp_extension.load("lifeline_int8_linear", [str(source)], extra_cflags=["-O2"],
+                               is_python_module=False, verbose=False)
+        except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as exc:
+            # no compiler, no headers, no ninja: slower, not wrong
+            warnings.warn(f"lifeline_ext::int8_linear not built ({exc}); using the Python "
+                          "operator", stacklevel=2)
+            return False
+        _EXT.impl("int8_linear", _int8_linear_meta, "Meta")
+        return True
+
+
+_EXT = torch.library.Library("lifeline_ext", "IMPL")
+
+
+def int8_linear_op() -> Any:
+    """The operator compiled code calls fbgemm's GEMM through: the C++ one where built."""
+    return torch.ops.lifeline_ext.int8_linear if native_int8_linear() else torch.ops.lifeline.int8_linear
+
+
 def register_int8_linear(module: nn.Module) -> int:
     """A handle by which compiled code calls fbgemm's GEMM with `module`'s packed weights
-    (`lifeline::int8_linear`); it lives as long as the module does."""
+    (`int8_linear_op()`); it lives as long as the module does."""
     handle = next(_next_handle)
     _GEMMS[handle] = (module.packed, module.reduce_range, module.out_features)
     weakref.finalize(module, _GEMMS.pop, handle, None)
+    if native_int8_linear():
+        torch.ops.lifeline_ext.register_gemm(handle, module.packed, module.reduce_range)
+        weakref.finalize(module, torch.ops.lifeline_ext.unregister_gemm, handle)
     return handle
 
 
@@ -103,6 +159,7 @@ def compile_forward(model: nn.Module, kv_caches: list[tuple[torch.Tensor, ...]]
     for module in model.modules():
         if hasattr(module, "int8_matmul") and not module.rescore_top:
             module.compile_handle = register_int8_linear(module)
+            module.compile_op = int8_linear_op()
     attention_modules = [layer.self_attn for layer in model.layers]
     none_caches = [None] * len(attention_modules)
     forward = model.forward

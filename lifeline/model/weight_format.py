@@ -90,15 +90,21 @@ class Int8Linear(nn.Module):
             weight = rotate_columns(weight, self.rotation)
         scales = (weight.abs().amax(1).clamp_min(1e-12) / 127).double()
         qweight = _int8_rows(weight, scales)
-        self.packed = torch.ops.quantized.linear_prepack(qweight, None)
         self.register_buffer("row_sums", qweight.dequantize().sum(1).unsqueeze(0))
+        self.packed = torch.ops.quantized.linear_prepack(qweight, None)
         self.reduce_range = fbgemm_saturates()
+        self.onednn = onednn_int8()
+        if self.onednn:  # a second copy of the weights, in oneDNN's layout, for batches
+            self.onednn_packed = torch.ops.onednn.qlinear_prepack(qweight.int_repr(), None)
+            self.register_buffer("weight_scales", scales.float())
+            self.register_buffer("weight_zeros", torch.zeros(len(scales), dtype=torch.long))
         self.rescore_top = min(rescore_top, weight.shape[0])
         self.out_features, self.in_features = weight.shape
 
     last_argmax: torch.Tensor | None = None
     """Each row's argmax of the last call's logits where its shortlist proves it, else -1."""
     compile_handle: int | None = None
+    compile_op = None
     """Set by `lifeline.model.compiled.compile_forward`: compiled code calls fbgemm's GEMM
     with this layer's packed weights through an operator by this handle (Dynamo cannot trace
     fbgemm's packed weights)."""
@@ -115,6 +121,8 @@ class Int8Linear(nn.Module):
 
     def int8_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """W x for float32 rows `x` [N, in], biasless and unrescored."""
+        if self.onednn and x.shape[0] > 1:
+            return self.onednn_matmul(x)
         if self.rotation is not None:
             x = rotate_columns(x, self.rotation)
         if x.shape[0] == 1:  # one row: fbgemm's own per-call scale is already per row
@@ -134,15 +142,35 @@ class Int8Linear(nn.Module):
         y = torch.ops.quantized.linear_dynamic((x - mid).div_(half), self.packed, self.reduce_range)
         return y.mul_(half).addmm_(mid, self.row_sums)  # in place: the head's rows are 1 MiB
 
+    def onednn_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """`int8_matmul` through oneDNN's u8 x s8 GEMM, which takes plain tensors: the compiler
+        traces it whole and fuses the activations' quantization into the ops before it."""
+        if self.rotation is not None:
+            x = rotate_columns(x, self.rotation)
+            amax = x.abs().amax(-1, keepdim=True).clamp_min(1e-12)
+            return self._onednn_gemm(x / amax) * amax
+        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+        mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-12)
+        return self._onednn_gemm((x - mid) / half) * half + mid * self.row_sums
+
+    def _onednn_gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """W x for rows `x` within [-1, 1], quantized to 255 levels (u8 1..255, zero point 128)."""
+        q = (x * 127).round() + 128
+        return torch.ops.onednn.qlinear_pointwise(
+            q.to(torch.uint8), 1 / 127, 128, self.onednn_packed, self.weight_scales, self.weight_zeros,
+            None, 1.0, 0, torch.float32, "none", [], "")
+
     def _traced_int8_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`int8_matmul` as the compiler sees it: rotation and scales in the graph, where the
         scales fuse with the ops around them, and only fbgemm's call behind an operator
         (`lifeline::int8_linear`). The rotation stays a matmul: written as butterflies,
         Inductor fused each output with its 32 inputs' producers and recomputed GeGLU 32 times
         (a 512-token prefill 156 -> 181 ms)."""
+        if self.onednn and x.shape[0] > 1:
+            return self.onednn_matmul(x)
         if self.rotation is not None:
             x = rotate_columns(x, self.rotation)
-        gemm = torch.ops.lifeline.int8_linear
+        gemm = self.compile_op
         if x.shape[0] == 1:
             return gemm(x, self.compile_handle)
         if self.rotation is not None:
@@ -224,6 +252,29 @@ def _int8_rows(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         warnings.simplefilter("ignore")  # PyTorch deprecates quantized tensors for torchao
         return torch.quantize_per_channel(weight, scales, torch.zeros(len(scales), dtype=torch.long),
                                           0, torch.qint8)
+
+
+@cache
+def onednn_int8() -> bool:
+    """Whether oneDNN's int8 GEMM (`onednn::qlinear_pointwise`) exists in this PyTorch and sums
+    without saturating on this CPU (the probe of `fbgemm_saturates`: every pair of u8 x s8
+    products overflows int16)."""
+    if not (hasattr(torch.ops.onednn, "qlinear_pointwise") and torch.backends.mkldnn.is_available()):
+        return False
+    weight = torch.full((8, 640), 127, dtype=torch.int8)
+    try:
+        packed = torch.ops.onednn.qlinear_prepack(weight, None)
+        for rows in (1, 16):
+            x = torch.full((rows, 640), 255, dtype=torch.uint8)
+            x[:, 0] = 128
+            y = torch.ops.onednn.qlinear_pointwise(
+                x, 1.0, 128, packed, torch.ones(8), torch.zeros(8, dtype=torch.long), None, 1.0,
+                0, torch.float32, "none", [], "")
+            if not torch.allclose(y, torch.full_like(y, 639 * 127.0 * 127), rtol=0.01):
+                return False
+    except RuntimeError:
+        return False
+    return True
 
 
 @cache
