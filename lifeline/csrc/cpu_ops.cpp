@@ -1,0 +1,150 @@
+// CPU operators in C++ (built on first use by lifeline/model/native.py).
+//
+// lifeline_ext::int8_linear: fbgemm's int8 GEMM by handle, for compiled code
+// (lifeline/model/compiled.py). Dynamo cannot trace the TorchScript object that holds fbgemm's packed weights, so compiled
+// code names a layer by an integer handle. Written in Python, the operator that maps the handle
+// to the weights cost ~13 us a call (the dispatcher calling back into Python, then Python
+// calling the dispatcher again): ~1 ms of a 11 ms decode step at batch 1. Here it is a table
+// lookup.
+#include <ATen/ATen.h>
+#include <ATen/native/quantized/PackedParams.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <mutex>
+#include <shared_mutex>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using Packed = c10::intrusive_ptr<LinearPackedParamsBase>;
+
+std::shared_mutex table_mutex;
+std::unordered_map<int64_t, std::pair<Packed, bool>> table;
+
+void register_gemm(int64_t handle, Packed packed, bool reduce_range) {
+  std::unique_lock lock(table_mutex);
+  table[handle] = {std::move(packed), reduce_range};
+}
+
+void unregister_gemm(int64_t handle) {
+  std::unique_lock lock(table_mutex);
+  table.erase(handle);
+}
+
+at::Tensor int8_linear(const at::Tensor& x, int64_t handle) {
+  Packed packed;
+  bool reduce_range;
+  {
+    std::shared_lock lock(table_mutex);
+    auto it = table.find(handle);
+    TORCH_CHECK(it != table.end(), "lifeline_ext::int8_linear: no int8 layer has handle ", handle);
+    packed = it->second.first;
+    reduce_range = it->second.second;
+  }
+  return packed->apply_dynamic(x, reduce_range);
+}
+
+// lifeline_ext::decode_attention: one query token per sequence against its context, read
+// from the paged cache where it lies. PyTorch's path copies every context's keys and values
+// into a padded tensor first (index_select) and then runs its flash kernel, whose setup
+// dominates at one query: ~115 us a layer at one 150-token context, where the arithmetic is
+// ~150k multiply-adds.
+//
+// q [D, H, hd]; k_cache, v_cache [S, KVH, hd]; slots [D, L] (int64, cache slot of each context
+// position, padded); mask [D, L] (0 or -inf, additive: padding and sliding window); all float32
+// but slots, contiguous. Returns [D, H, hd].
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
+                            const at::Tensor& v_cache, const at::Tensor& slots,
+                            const at::Tensor& mask, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
+              "decode_attention: q [D, H, hd], caches [S, KVH, hd]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+              v_cache.scalar_type() == at::kFloat && mask.scalar_type() == at::kFloat,
+              "decode_attention: float32 only");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && mask.sizes() == slots.sizes(),
+              "decode_attention: slots [D, L] int64, mask [D, L]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: caches must be contiguous");
+  const int64_t D = q.size(0), H = q.size(1), hd = q.size(2), KVH = k_cache.size(1);
+  const int64_t L = slots.size(1);
+  TORCH_CHECK(k_cache.size(2) == hd && H % KVH == 0 && slots.size(0) == D, "decode_attention: shapes");
+  const int64_t group = H / KVH;
+  auto qc = q.contiguous();
+  auto sc = slots.contiguous();
+  auto mc = mask.contiguous();
+  auto out = at::empty_like(qc);
+  const float* qp = qc.data_ptr<float>();
+  const float* kp = k_cache.data_ptr<float>();
+  const float* vp = v_cache.data_ptr<float>();
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  const float* mp = mc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float s = static_cast<float>(scale);
+  // One thread: built with -fopenmp (for at::parallel_for), the library slowed PyTorch's own
+  // parallel kernels in the same process ~7x (index_select + SDPA at 8 x 176 slots: 134 ->
+  // 928 us), so the caller sends only small batches here (attention.NATIVE_DECODE_MAX).
+  {
+    std::vector<float> scores(group * L);
+    std::vector<float> acc(group * hd);
+    for (int64_t item = 0; item < D * KVH; ++item) {
+      const int64_t d = item / KVH, g = item % KVH;
+      const int64_t* srow = sp + d * L;
+      const float* mrow = mp + d * L;
+      const float* qg = qp + (d * H + g * group) * hd;
+      for (int64_t l = 0; l < L; ++l) {
+        const float* k = kp + (srow[l] * KVH + g) * hd;
+        for (int64_t h = 0; h < group; ++h) {  // padding reads slot 0: finite, then -inf
+          const float* qh = qg + h * hd;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t i = 0; i < hd; ++i) dot += qh[i] * k[i];
+          scores[h * L + l] = dot * s + mrow[l];
+        }
+      }
+      for (int64_t h = 0; h < group; ++h) {
+        float* row = scores.data() + h * L;
+        const float top = *std::max_element(row, row + L);
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t l = 0; l < L; ++l) {  // exp(-inf) = 0: vectorized (libmvec), no branch
+          row[l] = std::exp(row[l] - top);
+          total += row[l];
+        }
+        const float inv = 1.f / total;
+        for (int64_t l = 0; l < L; ++l) row[l] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t l = 0; l < L; ++l) {
+        const float* v = vp + (srow[l] * KVH + g) * hd;
+        for (int64_t h = 0; h < group; ++h) {
+          const float p = scores[h * L + l];
+          if (p == 0.f) continue;
+          float* a = acc.data() + h * hd;
+#pragma omp simd
+          for (int64_t i = 0; i < hd; ++i) a[i] += p * v[i];
+        }
+      }
+      std::copy(acc.begin(), acc.end(), op + (d * H + g * group) * hd);
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(lifeline_ext, m) {
+  m.def("register_gemm(int handle, __torch__.torch.classes.quantized.LinearPackedParamsBase packed, "
+        "bool reduce_range) -> ()", register_gemm);
+  m.def("unregister_gemm(int handle) -> ()", unregister_gemm);
+  m.def("int8_linear(Tensor x, int handle) -> Tensor");
+  m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor mask, "
+        "float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(lifeline_ext, CPU, m) {
+  m.impl("int8_linear", int8_linear);
+  m.impl("decode_attention", decode_attention);
+}
