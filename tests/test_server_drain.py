@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -47,6 +48,21 @@ def served(tmp_path_factory):
 def test_ready_is_503_while_the_model_loads(served):
     _, _, statuses, _ = served
     assert 503 in statuses and statuses[-1] == 200
+
+
+def test_serve_restarts_itself_so_the_weights_sit_in_huge_pages(served):
+    """`lifeline serve` re-executes itself (same process id) with glibc's malloc asking for
+    transparent huge pages, where the kernel grants them on request only."""
+    proc, _, _, _ = served
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    glibc = os.confstr("CS_GNU_LIBC_VERSION")
+    if "[madvise]" not in mode or tuple(map(int, glibc.split()[1].split(".")[:2])) < (2, 35):
+        pytest.skip(f"not applied here: THP {mode.strip()!r}, {glibc}")
+    environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+    assert b"GLIBC_TUNABLES=glibc.malloc.hugetlb=1" in environ
+    rollup = Path(f"/proc/{proc.pid}/smaps_rollup").read_text().splitlines()
+    huge = next(int(line.split()[1]) for line in rollup if line.startswith("AnonHugePages:"))
+    assert huge > 200_000, huge  # kB: most of the ~270 MB of int8 weights (and more)
 
 
 def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(served):
