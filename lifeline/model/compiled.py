@@ -7,8 +7,11 @@ them into a few C++ loops (docs/performance.md: one request 14.7 -> 11.3 ms a st
 of a step stay opaque to the compiler, as custom operators:
 
 - `lifeline::int8_linear`: fbgemm's int8 GEMM takes its packed weights as a TorchScript object,
-  which Dynamo cannot trace; the operator takes the layer's handle instead. The activations'
+  which Dynamo cannot trace; the operator takes the layer's handle instead (in C++ where
+  lifeline/model/native.py could build it: `lifeline_ext::int8_linear`). The activations'
   rotation and per-row scales around it stay in the graph (`Int8Linear._traced_int8_matmul`).
+  Only lone rows take it: batches go through oneDNN's int8 GEMM, which takes plain tensors and
+  is traced whole (Inductor calls it as a fallback kernel: `_onednn_int8_as_is`).
 - `lifeline::paged_attention`: the step's KV-cache layout (block tables, prefill chunks, a
   hybrid model's second pool) is Python data that changes every step; the operator reads it
   from the step context set before the compiled call, as vLLM's attention operator does.

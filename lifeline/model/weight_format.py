@@ -19,6 +19,9 @@ format: `benchmarks/weight_formats.py`, recorded in docs/performance.md.
 
 A lone row (one decode at batch 1) goes straight to fbgemm, whose per-call scale is then the
 row's own: same precision, a tenth of the kernels, but not bit for bit the batched result.
+Batches of rows go through oneDNN's int8 GEMM instead where this PyTorch has it and it does not
+saturate (`onednn_int8`): the same per-row scales, quantized by us to u8 around 128, and faster
+from a few rows up (the head at 16 rows: ~6.7 against ~9.5-14 ms; docs/performance.md).
 `int8-all` stacks the projections that share an input (q/k/v, gate/up) into one GEMM each
 (`FusedProjections`) and drops their float32 copies. It also rotates every projection's input
 by a block Hadamard matrix before quantizing it (`Int8Linear(rotate=)`; for o_proj the rotation
