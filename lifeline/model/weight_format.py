@@ -107,10 +107,11 @@ class Int8Linear(nn.Module):
     last_argmax: torch.Tensor | None = None
     """Each row's argmax of the last call's logits where its shortlist proves it, else -1."""
     compile_handle: int | None = None
-    compile_op = None
     """Set by `lifeline.model.compiled.compile_forward`: compiled code calls fbgemm's GEMM
     with this layer's packed weights through an operator by this handle (Dynamo cannot trace
     fbgemm's packed weights)."""
+    compile_op = None
+    """That operator (`lifeline.model.compiled.int8_linear_op()`), set with the handle."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
