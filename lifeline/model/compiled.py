@@ -91,6 +91,9 @@ _LIB.impl("paged_attention", _paged_attention, "CPU")
 _LIB.impl("paged_attention", _paged_attention_meta, "Meta")
 
 
+_EXT = torch.library.Library("lifeline_ext", "IMPL")
+
+
 @functools.cache
 def native_int8_linear() -> bool:
     """Whether `lifeline_ext::int8_linear` (lifeline/model/native.py) is there: the same GEMM
@@ -100,9 +103,6 @@ def native_int8_linear() -> bool:
         return False
     _EXT.impl("int8_linear", _int8_linear_meta, "Meta")
     return True
-
-
-_EXT = torch.library.Library("lifeline_ext", "IMPL")
 
 
 def int8_linear_op() -> Any:

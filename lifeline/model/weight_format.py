@@ -37,6 +37,7 @@ positions and parts from llama.cpp's greedy text at a clear preference on one fi
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from functools import cache
 
 import torch
@@ -151,11 +152,20 @@ class Int8Linear(nn.Module):
         traces it whole and fuses the activations' quantization into the ops before it."""
         if self.rotation is not None:
             x = rotate_columns(x, self.rotation)
+        return self._per_row_scaled(x, self._onednn_gemm)
+
+    def _per_row_scaled(self, x: torch.Tensor, gemm: Callable[[torch.Tensor], torch.Tensor]
+                        ) -> torch.Tensor:
+        """`gemm` (W z for rows z within [-1, 1]) of each row of `x` mapped onto [-1, 1] and
+        mapped back: by its largest magnitude where rotated (near-symmetric rows), else by its
+        min and max with the offset term. Out of place, for the compiler to fuse; the eager
+        fbgemm path in `int8_matmul` writes the same in place."""
+        if self.rotation is not None:
             amax = x.abs().amax(-1, keepdim=True).clamp_min(1e-12)
-            return self._onednn_gemm(x / amax) * amax
+            return gemm(x / amax) * amax
         lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
         mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-12)
-        return self._onednn_gemm((x - mid) / half) * half + mid * self.row_sums
+        return gemm((x - mid) / half) * half + mid * self.row_sums
 
     def _onednn_gemm(self, x: torch.Tensor) -> torch.Tensor:
         """W x for rows `x` within [-1, 1], quantized to 255 levels (u8 1..255, zero point 128)."""
@@ -174,15 +184,10 @@ class Int8Linear(nn.Module):
             return self.onednn_matmul(x)
         if self.rotation is not None:
             x = rotate_columns(x, self.rotation)
-        gemm = self.compile_op
+        op, handle = self.compile_op, self.compile_handle
         if x.shape[0] == 1:
-            return gemm(x, self.compile_handle)
-        if self.rotation is not None:
-            amax = x.abs().amax(-1, keepdim=True).clamp_min(1e-12)
-            return gemm(x / amax, self.compile_handle) * amax
-        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-        mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-12)
-        return gemm((x - mid) / half, self.compile_handle) * half + mid * self.row_sums
+            return op(x, handle)
+        return self._per_row_scaled(x, lambda z: op(z, handle))
 
     def extra_repr(self) -> str:
         rotate = 0 if self.rotation is None else self.rotation.shape[0]
