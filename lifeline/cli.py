@@ -39,9 +39,37 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    _kv_cache_flag(p)
     p.add_argument("--weights", choices=WEIGHT_FORMATS, default=DEFAULT_WEIGHTS,
                    help="weight format (default int8-all: the fastest within 2%% of float32's "
                         "perplexity; docs/performance.md)")
+
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
+          "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
+          "gib": 1 << 30, "tib": 1 << 40}
+DEFAULT_KV_CACHE_BYTES = 2 << 30
+
+
+def parse_bytes(text: str) -> int:
+    """`512MiB`, `2GiB`, `1.5G`, `1000000` -> bytes (SI and binary suffixes, any case)."""
+    value = text.strip().lower().replace("_", "")
+    number = value.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = value[len(number):].strip()
+    try:
+        amount = float(number) * _UNITS[unit]
+    except (KeyError, ValueError):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a size (examples: 512MiB, 2GiB, 1.5G, 1000000)") from None
+    if amount < 1 or amount != amount:
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive")
+    return int(amount)
+
+
+def _kv_cache_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=DEFAULT_KV_CACHE_BYTES,
+                   help="memory for the KV cache, e.g. 512MiB or 4GiB (default 2GiB); the "
+                        "context is clamped to what it holds")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -60,7 +88,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     console = Console()
     with console.status("loading model"):
         llm = LLM(args.model, enable_prefix_caching=not args.no_prefix_caching,
-                  max_num_batched_tokens=args.max_num_batched_tokens, weights=args.weights)
+                  max_num_batched_tokens=args.max_num_batched_tokens, weights=args.weights,
+                  kv_cache_memory_bytes=args.kv_cache_memory_bytes)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
                             ignore_eos=args.ignore_eos)
@@ -101,6 +130,22 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans here")
+    p.add_argument("--request-timeout", type=float, default=600.0,
+                   help="seconds a request may spend in the engine, queue included (0: no "
+                        "limit; docs/reliability.md)")
+    p.add_argument("--default-max-tokens", type=int, default=2048,
+                   help="max_tokens of a request that sends none (clamped to the context left)")
+    p.add_argument("--salt-cache-by-api-key", action="store_true",
+                   help="salt every request's prefix cache by its API key: tenants never share "
+                        "cached blocks")
+    p.add_argument("--allowed-origins", nargs="*", default=[],
+                   help="CORS origins allowed (default: CORS off; '*' for any)")
+    p.add_argument("--allowed-methods", nargs="*", default=["*"], help="CORS methods")
+    p.add_argument("--allowed-headers", nargs="*", default=["*"], help="CORS headers")
+    p.add_argument("--allow-credentials", action="store_true", help="CORS credentials")
+    p.add_argument("--enable-fault-injection", action="store_true",
+                   help="honour the X-Lifeline-Fault header (tests and soak benchmark only)")
+    _kv_cache_flag(p)
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -169,6 +214,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
                           max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=args.max_model_len,
                           enable_prefix_caching=not args.no_prefix_caching,
+                          kv_cache_memory_bytes=args.kv_cache_memory_bytes,
                           weights=args.weights, compile=args.compile)
     name = args.served_model_name
     if name is None and args.model:
@@ -182,7 +228,12 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         api_keys=args.api_key, protect_metrics=args.protect_metrics,
         rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
         max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
-        otlp_endpoint=args.otlp_endpoint, engine=engine)
+        otlp_endpoint=args.otlp_endpoint, request_timeout=args.request_timeout or None,
+        default_max_tokens=args.default_max_tokens,
+        salt_cache_by_api_key=args.salt_cache_by_api_key,
+        allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+        enable_fault_injection=args.enable_fault_injection, engine=engine)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -28,6 +28,21 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20
     max_n: int = 64
     max_json_depth: int = 64
+    request_timeout: float | None = 600.0
+    """Seconds a request may spend in the engine, queue included: one that has produced tokens
+    ends with finish_reason 'length' (llama.cpp's `t_max_predict_ms` does the same), one still
+    queued gets 503 with Retry-After (docs/reliability.md); None: no limit."""
+    default_max_tokens: int | None = 2048
+    """`max_tokens` of a request that sends none (always clamped to the context left)."""
+    salt_cache_by_api_key: bool = False
+    """Mix each request's API key into its prefix-cache salt, so tenants never share blocks."""
+    allowed_origins: list[str] = field(default_factory=list)
+    """CORS: origins allowed to call the API from a browser (empty: CORS off; ['*']: any)."""
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
+    enable_fault_injection: bool = False
+    """Honour the `X-Lifeline-Fault` request header (tests and benchmarks/soak.py only)."""
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -37,5 +52,9 @@ class ServerConfig:
                 raise ValueError(f"{name} must be non-negative, got {value}")
         if self.shutdown_timeout < 0:
             raise ValueError("shutdown_timeout must be non-negative")
+        if self.request_timeout is not None and self.request_timeout <= 0:
+            raise ValueError("request_timeout must be positive")
+        if self.default_max_tokens is not None and self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be at least 1")
         if any(not key for key in self.api_keys):
             raise ValueError("an API key may not be empty")
