@@ -201,8 +201,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (RuntimeError, ValueError) as exc:
         print(f"lifeline serve: {exc}", file=sys.stderr)
         return 2
-    serve(app)
-    return 0
+    return serve(app)
 
 
 def serve_config(args: argparse.Namespace) -> ServerConfig:

@@ -1,7 +1,9 @@
 """The engine loop: schedule, run the model, sample, detokenize, stop; one step at a time."""
 from __future__ import annotations
 
+import heapq
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -10,7 +12,7 @@ import torch
 from lifeline.engine.kv_layout import plan_kv
 from lifeline.engine.model_runner import ModelRunner, StepInputs
 from lifeline.engine.moe_usage import MoEAccounting
-from lifeline.engine.request import FinishReason, Request, RequestStatus
+from lifeline.engine.request import FinishReason, Request, RequestError, RequestStatus
 from lifeline.engine.sampler import Sampler, SamplingInput, TokenLogprobs, make_generator
 from lifeline.engine.sampling_params import SamplingParams
 from lifeline.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
@@ -18,6 +20,14 @@ from lifeline.engine.stop import StopChecker
 from lifeline.model.loader import LoadedModel
 from lifeline.model.weight_format import apply_weight_format
 from lifeline.tokenizer import IncrementalDetokenizer
+
+log = logging.getLogger("lifeline.engine")
+MAX_STEP_FAILURES = 3
+"""A request in this many steps that raised fails, even if it never raised alone."""
+
+
+class InjectedFault(RuntimeError):
+    """Raised inside a step that runs a request carrying `fault='step'` (tests, soak)."""
 
 
 @dataclass(slots=True)
@@ -64,9 +74,25 @@ class RequestOutput:
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     @property
+    def error(self) -> RequestError | None:
+        """Set when the engine ended the request without an answer."""
+        return self.request.error
+
+    @property
     def finish_reason(self) -> str | None:
         r = self.request.finish_reason
         return r.value if r else None
+
+
+@dataclass(slots=True)
+class StepErrors:
+    """Steps that raised: each failed the requests it ran; the engine went on."""
+    count: int = 0
+    requests_failed: int = 0
+    last_error: str | None = None
+    """The exception type of the last failure (its traceback went to the log)."""
+    last_time: float | None = None
+    """Wall-clock time (`time.time()`) of the last failure."""
 
 
 @dataclass(slots=True)
@@ -84,7 +110,6 @@ class LLMEngine:
         self.model_config = mcfg = loaded.config
         self.tokenizer = loaded.tokenizer
         self.loaded = loaded
-        max_len = min(config.max_model_len or mcfg.max_position, mcfg.max_position)
         self.kv_layout = layout = plan_kv(
             mcfg, config.block_size, memory_bytes=config.kv_cache_memory_bytes,
             num_blocks=config.num_kv_blocks, max_num_seqs=config.max_num_seqs,
@@ -92,6 +117,7 @@ class LLMEngine:
             sliding_window_kv=config.sliding_window_kv)
         self.block_manager = layout.manager(config.enable_prefix_caching,
                                             config.max_num_batched_tokens)
+        max_len = self._clamp_model_len(config.max_model_len, mcfg.max_position)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len),
             self.block_manager)
@@ -112,9 +138,27 @@ class LLMEngine:
         self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._outputs: dict[str, _OutputState] = {}
+        self._deadlines: list[tuple[float, int, Request]] = []
         self._counter = itertools.count()
+        self.step_errors = StepErrors()
         self.clock = time.perf_counter
         self.warmup()
+
+    def _clamp_model_len(self, asked: int | None, max_position: int) -> int:
+        """The longest context served: what was asked (or the model's own), no more than the
+        model's positions and no more than one request can hold alone in the KV cache, so a
+        request admitted can always be run to its end (vLLM clamps the same way)."""
+        wanted = min(asked or max_position, max_position)
+        capacity = self.block_manager.capacity_tokens()
+        self.max_model_len_reason = "model" if wanted == max_position else "max_model_len"
+        if capacity < wanted:
+            self.max_model_len_reason = "kv_cache"
+            log.warning("max_model_len %d -> %d: the KV cache (%d blocks of %d tokens) holds "
+                        "no more for one request; --kv-cache-memory-bytes sizes it", wanted,
+                        int(capacity), self.block_manager.num_blocks,
+                        self.block_manager.block_size)
+            return int(capacity)
+        return wanted
 
     def warmup(self) -> None:
         """Compile the forward's graphs before the first request: a step of several tokens
@@ -135,7 +179,10 @@ class LLMEngine:
         return self.scheduler.config.max_model_len
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival: float | None = None) -> Request:
+                    request_id: str | None = None, arrival: float | None = None, *,
+                    deadline: float | None = None, fault: str | None = None) -> Request:
+        """`deadline` (engine clock): a request still running then ends with finish reason
+        'length', one with no token yet fails with `RequestError.TIMEOUT`."""
         params = params or SamplingParams()
         now = self.clock()
         order = next(self._counter)
@@ -145,7 +192,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         ids = self._tokenize(prompt)
         req = Request(request_id, ids, params, prompt=text, eos_token_ids=self.eos_token_ids,
-                      arrival_order=order)
+                      arrival_order=order, deadline=deadline, fault=fault)
         req.timeline.arrival = arrival if arrival is not None else now
         req.timeline.arrival_wall = time.time()
         req.timeline.tokenized = self.clock()
@@ -154,6 +201,8 @@ class LLMEngine:
         self.scheduler.add_request(req)
         req.timeline.queued = self.clock()
         self.requests[request_id] = req
+        if deadline is not None:
+            heapq.heappush(self._deadlines, (deadline, order, req))
         self._outputs[request_id] = _OutputState(self._detokenizer(params), StopChecker(
             params.stop, params.include_stop_str_in_output))
         return req
@@ -208,10 +257,32 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule(self.clock())
+        """One step: requests past their deadline end, then the scheduled batch runs.
+
+        A batch whose forward or sampling raises is isolated: its requests go back to the head
+        of the queue to be recomputed, each in a step of its own, so a request that raises again
+        fails alone (`RequestError.STEP_FAILED`, blocks freed) and the others go on."""
+        now = self.clock()
+        ended = self._expire(now)
+        out = self.scheduler.schedule(now)
         if out.is_empty:
-            return []
+            return ended + self._refuse_unschedulable()
+        try:
+            inputs, sampled, started, done = self._compute(out)
+        except Exception as exc:  # noqa: BLE001 - one request fails, not the engine
+            return ended + self._fail_step(out, exc, isolate=len(out.scheduled) > 1)
+        try:
+            self._record_prefill(out, started, done)
+            finished = self.scheduler.update(out, {id(r): t for r, t in zip(inputs.sampling,
+                                                                             sampled.token_ids)})
+            return ended + self._process_outputs(inputs, sampled.logprobs, finished, done)
+        except Exception as exc:  # noqa: BLE001 - state half-advanced: fail the batch
+            return ended + self._fail_step(out, exc, isolate=False)
+
+    def _compute(self, out: SchedulerOutput):
         inputs = self.runner.prepare(out)
+        if any(s.request.fault == "step" for s in out.scheduled):
+            raise InjectedFault("fault injected by a request (X-Lifeline-Fault: step)")
         started = self.clock()
         if self.moe is not None:
             tokens = [s.num_new_tokens for s in inputs.order]
@@ -223,11 +294,7 @@ class LLMEngine:
             self.moe.end([s.request.request_id for s in inputs.order], tokens)
         self._record_prompt_logits(inputs, logits)
         sampled = self._sample(inputs, logits)
-        done = self.clock()
-        self._record_prefill(out, started, done)
-        finished = self.scheduler.update(out, {id(r): t for r, t in zip(inputs.sampling,
-                                                                         sampled.token_ids)})
-        return self._process_outputs(inputs, sampled.logprobs, finished, done)
+        return inputs, sampled, started, self.clock()
 
     def _sample(self, inputs: StepInputs, logits: torch.Tensor):
         # sample_rows rise strictly below len(logits): as many as rows means every row, in order
@@ -303,5 +370,65 @@ class LLMEngine:
         self.requests.pop(req.request_id, None)
         self._outputs.pop(req.request_id, None)
 
-    def kv_usage(self) -> float:
-        return self.block_manager.usage
+    def _end(self, req: Request, error: RequestError | None, now: float,
+             reason: FinishReason = FinishReason.ABORT) -> RequestOutput:
+        """End `req` now (blocks freed) with `error`, or with `reason` and its held-back text."""
+        state = self._outputs.get(req.request_id)
+        delta = ""
+        if error is None and state is not None and state.detokenizer is not None:
+            delta = state.stop.feed(state.detokenizer.flush()).emit + state.stop.flush()
+            state.text += delta
+        self.scheduler.finish(req, reason)
+        req.error = error
+        req.timeline.finished = now
+        text = state.text if state is not None else ""
+        self._release(req)
+        return RequestOutput(req.request_id, [], delta, text, True, req)
+
+    def _expire(self, now: float) -> list[RequestOutput]:
+        ended = []
+        while self._deadlines and self._deadlines[0][0] <= now:
+            req = heapq.heappop(self._deadlines)[2]
+            if req.is_finished:
+                continue
+            if req.num_output_tokens:
+                req.stop_reason = "timeout"
+                ended.append(self._end(req, None, now, FinishReason.LENGTH))
+            else:
+                ended.append(self._end(req, RequestError.TIMEOUT, now))
+        return ended
+
+    def _refuse_unschedulable(self) -> list[RequestOutput]:
+        """Nothing ran although requests wait and none runs: the head of the queue cannot fit
+        the KV cache even with every block free, and would wait forever."""
+        sched = self.scheduler
+        if sched.running or not sched.waiting:
+            return []
+        return [self._end(sched.waiting[0], RequestError.UNSCHEDULABLE, self.clock())]
+
+    def _fail_step(self, out: SchedulerOutput, exc: Exception, isolate: bool
+                   ) -> list[RequestOutput]:
+        """Isolate the batch of a step that raised, or fail it: a lone request, a step whose
+        state had begun to advance, and requests already in MAX_STEP_FAILURES failed steps."""
+        reqs = [s.request for s in out.scheduled]
+        errors = self.step_errors
+        errors.count += 1
+        errors.last_error, errors.last_time = type(exc).__name__, time.time()
+        for req in reqs:
+            req.num_step_failures += 1
+        retry = [r for r in reqs if isolate and r.num_step_failures < MAX_STEP_FAILURES]
+        failed = [r for r in reqs if r not in retry]
+        if retry:
+            log.warning("a step of %d requests failed (%s); %d are recomputed, each in a step "
+                        "of its own", len(reqs), type(exc).__name__, len(retry), exc_info=exc)
+            for req in retry:
+                req.prompt_logits.clear()
+            self.scheduler.isolate(retry, self.clock())
+        if not failed:
+            return []
+        errors.requests_failed += len(failed)
+        log.error("a step failed (%s); %d requests end with an error (%s), the engine goes on",
+                  type(exc).__name__, len(failed), ", ".join(r.request_id for r in failed),
+                  exc_info=None if retry else exc)
+        now = self.clock()
+        return [self._end(req, RequestError.STEP_FAILED, now) for req in failed]

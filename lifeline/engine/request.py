@@ -21,6 +21,16 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
+class RequestError(str, enum.Enum):
+    """Why the engine ended a request without an answer (its finish reason is then ABORT)."""
+    STEP_FAILED = "step_failed"
+    """A step that ran this request raised; the step's other requests failed with it."""
+    TIMEOUT = "timeout"
+    """The request reached its deadline before its first token."""
+    UNSCHEDULABLE = "unschedulable"
+    """The request cannot fit the KV cache even alone."""
+
+
 @dataclass(slots=True)
 class Timeline:
     """Monotonic timestamps (seconds, `time.perf_counter()`) of a request's life in the engine.
@@ -80,6 +90,16 @@ class Request:
     prompt_logits: list[Any] = field(default_factory=list)
     num_preemptions: int = 0
     arrival_order: int = 0
+    deadline: float | None = None
+    """Engine-clock time by which the request must end (None: no limit)."""
+    error: RequestError | None = None
+    suspect: bool = False
+    """Was in a step that raised: runs alone until a step of it succeeds."""
+    num_step_failures: int = 0
+    """Steps that raised while running this request."""
+    fault: str | None = None
+    """A fault to inject when a step runs this request ('step': that step raises), set only
+    by a server started with fault injection on."""
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -73,6 +73,8 @@ class Scheduler:
 
     def schedule(self, now: float) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.waiting and self.waiting[0].suspect and self._schedule_alone(out, now):
+            return out
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget, now)
         if not out.preempted:
@@ -97,22 +99,47 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            fresh = req.num_computed_tokens == 0 and not req.want_prompt_logits
-            prefix = self.kv.find_cached_prefix(req) if fresh else []
-            cached = len(prefix) * self.kv.block_size
-            num_new = min(req.num_tokens - cached, budget)
-            if not self.kv.allocate(req, num_new, prefix):
+            if self.waiting[0].suspect:
+                break  # it runs alone, in a step of its own
+            num_new = self._admit_head(out, budget, now)
+            if not num_new:
                 break
-            self.waiting.popleft()
-            req.num_computed_tokens = cached
-            if req.timeline.first_scheduled is None:
-                req.timeline.first_scheduled = now
-                req.num_cached_tokens = cached
-            req.status = RequestStatus.RUNNING
-            self.running.append(req)
-            out.scheduled.append(self._scheduled(req, num_new))
             budget -= num_new
+
+    def _admit_head(self, out: SchedulerOutput, budget: int, now: float) -> int:
+        """Move the head of the queue to running with up to `budget` tokens this step; the
+        tokens scheduled, 0 when its blocks do not fit."""
+        req = self.waiting[0]
+        fresh = req.num_computed_tokens == 0 and not req.want_prompt_logits
+        prefix = self.kv.find_cached_prefix(req) if fresh else []
+        cached = len(prefix) * self.kv.block_size
+        num_new = min(req.num_tokens - cached, budget)
+        if not self.kv.allocate(req, num_new, prefix):
+            return 0
+        self.waiting.popleft()
+        req.num_computed_tokens = cached
+        if req.timeline.first_scheduled is None:
+            req.timeline.first_scheduled = now
+            req.num_cached_tokens = cached
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+        out.scheduled.append(self._scheduled(req, num_new))
+        return num_new
+
+    def _schedule_alone(self, out: SchedulerOutput, now: float) -> bool:
+        """A step of the suspect at the head of the queue and nothing else (the running
+        requests wait one step). False when it does not fit now: the others run meanwhile."""
+        if len(self.running) >= self.config.max_num_seqs:
+            return False
+        return self._admit_head(out, self.config.max_num_batched_tokens, now) > 0
+
+    def isolate(self, reqs: list[Request], now: float) -> None:
+        """The requests of a step that raised go back to the head of the queue, in order, to be
+        recomputed each in a step of its own: one that raises again fails alone."""
+        for req in reversed(reqs):
+            if req in self.running:
+                self._preempt(req, now)
+            req.suspect = True
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
@@ -134,6 +161,7 @@ class Scheduler:
         finished = []
         for s in out.scheduled:
             req = s.request
+            req.suspect = False
             req.num_computed_tokens += s.num_new_tokens
             self.kv.commit(req)
             if not s.samples or sampled is None:

@@ -56,20 +56,27 @@ def create_app(loaded_model: LoadedOrLoader, config: ServerConfig | None = None)
 
 
 async def _load(state: ServerState, aengine: AsyncEngine) -> None:
+    """Load in the background; a model that cannot be loaded stops the server (`state.fail`:
+    `lifeline serve` prints why and exits non-zero)."""
     await run_in_threadpool(aengine.built.wait)
-    await run_in_threadpool(state.attach, aengine)  # reads the chat template: not on the loop
+    try:
+        await run_in_threadpool(state.attach, aengine)  # reads the chat template: off the loop
+    except Exception as exc:  # noqa: BLE001 - whatever stops the load stops the server
+        state.fail(exc)
+        return
     state.admission.loading = False
 
 
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
-        if not state.alive:
-            return JSONResponse({"status": "engine_dead"}, 503)
-        return JSONResponse({"status": "ok"})
+        body = state.health()
+        return JSONResponse(body, 200 if body["status"] == "ok" else 503)
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
+        if state.load_error is not None:
+            return JSONResponse({"status": "failed", "error": state.load_error}, 503)
         if state.admission.draining:
             return JSONResponse({"status": "draining"}, 503, {"Retry-After": "1"})
         if not state.ready:
@@ -143,6 +150,7 @@ def _model_card(state: ServerState) -> dict[str, Any]:
     cfg = loaded.config
     card.update({
         "root": loaded.source, "max_model_len": state.engine.max_model_len,
+        "max_model_len_limited_by": state.engine.max_model_len_reason,
         "context_length": cfg.max_position, "architecture": cfg.architecture,
         "parameters": {"total": cfg.num_params(), "active": cfg.num_active_params()},
         "weight_format": loaded.weight_format,

@@ -14,6 +14,7 @@ when the model had been prepared on the event loop's thread (docs/performance.md
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -21,11 +22,29 @@ from dataclasses import dataclass
 from typing import Any
 
 from lifeline.engine.engine import LLMEngine, RequestOutput
+from lifeline.engine.request import RequestError
 from lifeline.engine.sampling_params import SamplingParams
+from lifeline.server.errors import APIError
+
+
+log = logging.getLogger("lifeline.engine")
 
 
 class EngineDeadError(RuntimeError):
     pass
+
+
+def request_failed(error: RequestError) -> APIError:
+    """The OpenAI-format error of a request the engine ended without an answer."""
+    if error is RequestError.TIMEOUT:
+        return APIError(503, "the request waited longer than the server's request timeout "
+                        "without producing a token; the server is overloaded, retry later",
+                        None, "request_timeout", 1.0)
+    if error is RequestError.UNSCHEDULABLE:
+        return APIError(400, "the request does not fit the server's KV cache", None,
+                        "context_length_exceeded")
+    return APIError(500, "the engine failed while running this request (the failure is "
+                    "logged; other requests were not affected)", None, "engine_error")
 
 
 @dataclass(slots=True)
@@ -34,6 +53,8 @@ class _Add:
     params: SamplingParams
     request_id: str
     arrival: float
+    deadline: float | None
+    fault: str | None
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     accepted: asyncio.Future
@@ -54,7 +75,6 @@ class AsyncEngine:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lifeline-engine", daemon=True)
         self.error: BaseException | None = None
-        self.num_running = 0
         self.num_waiting = 0
 
     def start(self) -> None:
@@ -70,15 +90,19 @@ class AsyncEngine:
         return len(self._sinks)
 
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
-                       arrival: float) -> AsyncIterator[RequestOutput]:
+                       arrival: float, deadline: float | None = None,
+                       fault: str | None = None) -> AsyncIterator[RequestOutput]:
         """Yields one output per step that gave this request a token; the last is finished.
-        Closing the iterator early (client gone) aborts the request and frees its blocks."""
+        Closing the iterator early (client gone) aborts the request and frees its blocks.
+        A request the engine ended without an answer raises its `APIError`
+        (`request_failed`)."""
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         accepted = loop.create_future()
-        self._commands.put(_Add(prompt, params, request_id, arrival, sink, loop, accepted))
+        self._commands.put(_Add(prompt, params, request_id, arrival, deadline, fault, sink, loop,
+                                accepted))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -91,6 +115,8 @@ class AsyncEngine:
                 if isinstance(out, BaseException):
                     raise EngineDeadError(f"the engine stopped: {out!r}")
                 finished = out.finished
+                if out.error is not None:
+                    raise request_failed(out.error)
                 yield out
                 if finished:
                     return
@@ -117,6 +143,7 @@ class AsyncEngine:
                     self._step()
         except BaseException as exc:  # noqa: BLE001 - handed to every waiting request
             self.error = exc
+            log.critical("the engine loop stopped", exc_info=exc)
             for loop, sink in self._sinks.values():
                 loop.call_soon_threadsafe(sink.put_nowait, exc)
 
@@ -136,7 +163,8 @@ class AsyncEngine:
 
     def _add(self, cmd: _Add) -> None:
         try:
-            self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.arrival)
+            self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.arrival,
+                                    deadline=cmd.deadline, fault=cmd.fault)
         except Exception as exc:  # noqa: BLE001 - validation errors go back to the caller
             cmd.loop.call_soon_threadsafe(_settle, cmd.accepted, exc)
             return
@@ -149,8 +177,7 @@ class AsyncEngine:
 
     def _step(self) -> None:
         outputs = self.engine.step()
-        sched = self.engine.scheduler
-        self.num_running, self.num_waiting = len(sched.running), len(sched.waiting)
+        self.num_waiting = len(self.engine.scheduler.waiting)
         deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
         for out in outputs:
             target = self._sinks.get(out.request_id)

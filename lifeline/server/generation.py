@@ -57,11 +57,15 @@ class Generation:
     others compute only what follows the last full block instead of the whole prompt again."""
 
     def __init__(self, aengine: AsyncEngine, admission: Admission, choices: list[Choice],
-                 arrival: float, registry: set[Generation] | None = None):
+                 arrival: float, registry: set[Generation] | None = None, *,
+                 deadline: float | None = None, fault: str | None = None):
         self.aengine = aengine
         self.admission = admission
         self.choices = choices
         self.arrival = arrival
+        self.deadline = deadline
+        """Engine-clock time by which every choice must end (`--request-timeout`)."""
+        self.fault = fault
         self.registry = registry if registry is not None else set()
         """The server's running generations, for a shutdown to abort."""
         self.aborted = False
@@ -141,7 +145,8 @@ class Generation:
     async def _pump(self, choice: Choice) -> None:
         try:
             async for out in self.aengine.generate(choice.prompt_ids, choice.params,
-                                                   choice.request_id, self.arrival):
+                                                   choice.request_id, self.arrival,
+                                                   self.deadline, self.fault):
                 if not choice.started:
                     choice.started = True
                     self.admission.started()

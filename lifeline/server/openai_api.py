@@ -20,6 +20,8 @@ from lifeline.server.state import ServerState, new_id
 from lifeline.server.streams import ChatStream, CompletionStream
 
 router = APIRouter()
+FAULT_HEADER = "x-lifeline-fault"
+"""With `--enable-fault-injection`: 'step' makes the engine step that runs the request raise."""
 THREAD_THRESHOLD_CHARS = 4096
 """Prompts longer than this are templated and tokenized off the event loop."""
 
@@ -120,6 +122,7 @@ def _make_choices(job: Job) -> None:
     body, state = job.body, job.state
     limit = state.engine.max_model_len
     wanted = body.requested_max_tokens if job.is_chat else body.max_tokens
+    wanted = wanted or state.config.default_max_tokens
     num_logprobs = body.num_logprobs if job.is_chat else body.logprobs
     vocab = state.loaded.config.vocab_size
     for name, ids in (("logit_bias", body.logit_bias or {}),
@@ -145,8 +148,11 @@ def _make_choices(job: Job) -> None:
 
 async def _respond(request: Request, job: Job, stream: ChatStream | CompletionStream) -> Any:
     state = job.state
-    job.generation = Generation(state.require_engine(), state.admission, job.choices,
-                                job.stamps.arrival, state.generations)
+    timeout = state.config.request_timeout
+    job.generation = Generation(
+        state.require_engine(), state.admission, job.choices, job.stamps.arrival,
+        state.generations, deadline=job.stamps.arrival + timeout if timeout else None,
+        fault=request.headers.get(FAULT_HEADER) if state.config.enable_fault_injection else None)
     job.generation.start()
     job.start_anatomy()
     request.state.accounted = True

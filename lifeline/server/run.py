@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from types import FrameType
 
@@ -28,7 +29,11 @@ class DrainingServer(uvicorn.Server):
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
+        self.state.on_fatal = self._fatal
         await super().startup(sockets)
+
+    def _fatal(self) -> None:
+        self.should_exit = True
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self._draining or self._loop is None:
@@ -65,9 +70,16 @@ def build_app(model: LoadedOrLoader, config: ServerConfig) -> FastAPI:
     return app
 
 
-def serve(app: FastAPI) -> None:
-    """Run until SIGTERM or Ctrl-C has drained the server."""
-    config: ServerConfig = app.state.lifeline.config
+def serve(app: FastAPI) -> int:
+    """Run until SIGTERM or Ctrl-C has drained the server; the exit status (1: the model could
+    not be loaded, or the server could not start)."""
+    state: ServerState = app.state.lifeline
+    config = state.config
     uconfig = uvicorn.Config(app, host=config.host, port=config.port, access_log=False,
                              timeout_graceful_shutdown=1, log_level="info")
-    DrainingServer(uconfig, app.state.lifeline).run()
+    server = DrainingServer(uconfig, state)
+    server.run()
+    if state.load_error is not None:
+        print(f"lifeline serve: cannot load the model: {state.load_error}", file=sys.stderr)
+        return 1
+    return 0 if server.started else 1

@@ -1,6 +1,7 @@
 """Everything a request handler needs, built once per server by `create_app`."""
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from lifeline.server.gateway import Admission, Authenticator, RateLimiter
 from lifeline.server.responses import TokenText
 
 LoadedOrLoader = LoadedModel | Callable[[], LoadedModel]
+log = logging.getLogger("lifeline.server")
 
 
 def served_model_id(loaded: LoadedModel | None, config: ServerConfig) -> str:
@@ -59,6 +61,10 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     generations: set = field(default_factory=set)
     """Generations running now (`lifeline.server.generation.Generation`)."""
+    load_error: str | None = None
+    """Why the model could not be loaded (the server then stops)."""
+    on_fatal: Callable[[], None] | None = None
+    """Called once the server cannot serve at all (`lifeline serve` exits non-zero)."""
 
     @classmethod
     def build(cls, loaded: LoadedModel | None, config: ServerConfig) -> ServerState:
@@ -90,6 +96,28 @@ class ServerState:
         self.chat = ChatFrontend(loaded, self.config)
         self.token_text = TokenText(loaded.tokenizer)
         self.aengine = aengine
+
+    def fail(self, exc: BaseException) -> None:
+        """The model could not be loaded: say why on stderr and stop the server."""
+        self.load_error = f"{type(exc).__name__}: {exc}"
+        log.error("cannot load the model: %s", self.load_error)
+        if self.on_fatal is not None:
+            self.on_fatal()
+
+    def health(self) -> dict[str, Any]:
+        """`/health`: 'ok' while the engine serves, with the failed steps it survived."""
+        if self.load_error is not None:
+            return {"status": "load_failed"}
+        if not self.alive:
+            return {"status": "engine_dead"}
+        body: dict[str, Any] = {"status": "ok"}
+        if self.engine is not None:
+            errors = self.engine.step_errors
+            body["step_errors"] = {"count": errors.count,
+                                   "requests_failed": errors.requests_failed,
+                                   "last_error": errors.last_error,
+                                   "last_time": errors.last_time}
+        return body
 
     @property
     def ready(self) -> bool:
