@@ -1,6 +1,7 @@
 """The command line and the model sources a user can point Lifeline at."""
 import json
 
+import pytest
 import torch
 import transformers
 
@@ -35,3 +36,24 @@ def test_dummy_weights_build_any_config_without_a_checkpoint(tmp_path):
     assert len(out.token_ids) == 5
     weights = dict(llm.loaded.model.named_parameters())
     assert all(not p.is_meta and torch.isfinite(p).all() for p in weights.values())
+
+
+@pytest.mark.parametrize("text, expected", [
+    ("512MiB", 512 << 20), ("2GiB", 2 << 30), ("1.5G", 1_500_000_000), ("64mb", 64_000_000),
+    ("1000000", 1_000_000), ("4 KiB", 4096)])
+def test_kv_cache_memory_bytes_accepts_units(text, expected):
+    from lifeline.cli import build_parser
+
+    for command in (["serve"], ["generate", "x"]):
+        args = build_parser().parse_args([*command, "--kv-cache-memory-bytes", text])
+        assert args.kv_cache_memory_bytes == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "-1GiB", "0", "12 parsecs", "nan"])
+def test_kv_cache_memory_bytes_refuses_what_is_not_a_size(text, capsys):
+    from lifeline.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--kv-cache-memory-bytes", text])
+    err = capsys.readouterr().err
+    assert "is not a size" in err or "must be positive" in err

@@ -42,7 +42,7 @@ class ServerThread:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.config.port}"
 
-    def start(self, timeout: float = 60.0) -> Self:
+    def start(self, timeout: float = 180.0) -> Self:
         self.thread.start()
         deadline = time.monotonic() + timeout
         while not self.server.started:
