@@ -54,6 +54,6 @@ def test_kv_cache_memory_bytes_refuses_what_is_not_a_size(text, capsys):
     from lifeline.cli import build_parser
 
     with pytest.raises(SystemExit):
-        build_parser().parse_args(["serve", "--kv-cache-memory-bytes", text])
+        build_parser().parse_args(["serve", f"--kv-cache-memory-bytes={text}"])
     err = capsys.readouterr().err
     assert "is not a size" in err or "must be positive" in err
