@@ -1,6 +1,7 @@
 """Stop strings over streamed text: never leak one, not even a part that completes later."""
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,6 +20,48 @@ class StopResult:
         return self.stop_str is not None
 
 
+class _Automaton:
+    """Aho–Corasick over the stop strings. A state is a trie node: the longest suffix of the text
+    read so far that is a prefix of a stop string, spelled `stop[pattern[n]][:depth[n]]`."""
+
+    __slots__ = ("children", "fail", "depth", "pattern", "out")
+
+    def __init__(self, stop: Sequence[str]) -> None:
+        self.children: list[dict[str, int]] = [{}]
+        self.depth, self.pattern, self.out = [0], [0], [-1]
+        for index, s in enumerate(stop):
+            node = 0
+            for c in s:
+                nxt = self.children[node].get(c)
+                if nxt is None:
+                    nxt = len(self.children)
+                    self.children[node][c] = nxt
+                    self.children.append({})
+                    self.depth.append(self.depth[node] + 1)
+                    self.pattern.append(index)
+                    self.out.append(-1)
+                node = nxt
+            if self.out[node] < 0:
+                self.out[node] = index
+        self.fail = [0] * len(self.children)
+        self._link()
+
+    def _link(self) -> None:
+        """Failure links breadth first; `out` becomes the longest stop string that is a suffix of
+        the node's text (its own if it is one, else its failure node's)."""
+        queue = deque(self.children[0].values())
+        while queue:
+            node = queue.popleft()
+            if self.out[node] < 0:
+                self.out[node] = self.out[self.fail[node]]
+            for c, child in self.children[node].items():
+                queue.append(child)
+                f = self.fail[node]
+                while f and c not in self.children[f]:
+                    f = self.fail[f]
+                self.fail[child] = self.children[f].get(c, 0)
+
+
 class StopChecker:
     """Feed it the text deltas of one request; it says what to emit and when a stop string ends it.
 
@@ -27,54 +70,60 @@ class StopChecker:
     ends just before it, with it just after; nothing after it is ever emitted (OpenAI semantics).
     Whatever the split into deltas, the concatenated emits (plus `flush()` when generation ends for
     another reason) equal `feed(full_text).emit + flush()` on a fresh checker.
+
+    The automaton is built once; its state carries over from one delta to the next, so a delta
+    costs time linear in its length (amortised), whatever the number and length of the stop
+    strings. `transitions` counts the automaton moves made, so that cost can be checked.
     """
 
     def __init__(self, stop: Sequence[str], include_stop_str_in_output: bool = False) -> None:
         self.stop = [s for s in stop if s]
         self.include_stop_str_in_output = include_stop_str_in_output
-        self.window = max((len(s) for s in self.stop), default=1) - 1
-        self.tail = ""
-        self.held = 0
+        self._ac = _Automaton(self.stop)
+        self._state = 0
+        self.held = 0  # trailing characters of the state's text not emitted yet
         self.stopped = False
+        self.transitions = 0
 
     def feed(self, delta: str) -> StopResult:
         if self.stopped:
             return StopResult("")
-        text, old = self.tail + delta, len(self.tail)
-        unemitted = old - self.held
-        match = self._first_match(text, old)
-        if match is not None:
-            start, stop_str = match
-            end = start + len(stop_str) if self.include_stop_str_in_output else start
-            self.tail, self.held, self.stopped = "", 0, True
-            return StopResult(text[unemitted:end], stop_str)
-        held = 0 if self.include_stop_str_in_output else self._partial_suffix(text)
-        self.tail, self.held = text[-self.window:] if self.window else "", held
-        return StopResult(text[unemitted : len(text) - held], held=held)
+        old_state, old_held = self._state, self.held
+        for i, c in enumerate(delta):
+            self._advance(c)
+            found = self._ac.out[self._state]
+            if found >= 0:
+                s = self.stop[found]
+                end = old_held + i + 1
+                end = end if self.include_stop_str_in_output else max(0, end - len(s))
+                self.held, self.stopped = 0, True
+                return StopResult(self._unemitted(old_state, old_held, delta, end), s)
+        held = 0 if self.include_stop_str_in_output else self._ac.depth[self._state]
+        self.held = min(held, old_held + len(delta))
+        emit = self._unemitted(old_state, old_held, delta, old_held + len(delta) - self.held)
+        return StopResult(emit, held=self.held)
 
     def flush(self) -> str:
         """The held-back text, released because generation ended for another reason."""
-        text = self.tail[-self.held:] if self.held else ""
+        text = self._unemitted(self._state, self.held, "", self.held)
         self.held = 0
         return text
 
-    def _first_match(self, text: str, old: int) -> tuple[int, str] | None:
-        """(start, stop string) of the match ending first, longest on ties; only matches that end
-        past `old` can be new, since the text before it held none."""
-        best: tuple[int, int, str] | None = None
-        for s in self.stop:
-            start = text.find(s, max(0, old - len(s) + 1))
-            if start < 0:
-                continue
-            key = (start + len(s), -len(s), s)
-            if best is None or key < best:
-                best = key
-        return None if best is None else (best[0] + best[1], best[2])
+    def _advance(self, c: str) -> None:
+        ac, state = self._ac, self._state
+        moves = 1
+        while state and c not in ac.children[state]:
+            state = ac.fail[state]
+            moves += 1
+        self._state = ac.children[state].get(c, 0)
+        self.transitions += moves
 
-    def _partial_suffix(self, text: str) -> int:
-        """Length of the longest suffix of `text` that is a proper prefix of a stop string."""
-        for n in range(min(len(text), self.window), 0, -1):
-            tail = text[-n:]
-            if any(s.startswith(tail) for s in self.stop):
-                return n
-        return 0
+    def _unemitted(self, state: int, held: int, delta: str, n: int) -> str:
+        """The first `n` characters of the text not emitted yet: the last `held` characters of
+        `state`'s text, then `delta`. Costs O(n), never the length of the stop string."""
+        depth = self._ac.depth[state]
+        spelled = self.stop[self._ac.pattern[state]] if depth else ""
+        start = depth - held
+        if n <= held:
+            return spelled[start : start + n]
+        return spelled[start:depth] + delta[: n - held]
