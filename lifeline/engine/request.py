@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from lifeline.engine.sampler import SamplingPlan
 from lifeline.engine.sampling_params import SamplingParams
 
 
@@ -80,6 +81,11 @@ class Request:
     prompt_logits: list[Any] = field(default_factory=list)
     num_preemptions: int = 0
     arrival_order: int = 0
+    sampling_plan: SamplingPlan = field(init=False)
+    """The parameters worked out once for every step: bias tensors, stop-id set."""
+
+    def __post_init__(self) -> None:
+        self.sampling_plan = SamplingPlan(self.params)
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import math
 from array import array
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -13,14 +13,58 @@ from lifeline.engine.sampling_params import SamplingParams
 TOP_P_CANDIDATES = 1024
 
 
+@dataclass(slots=True, eq=False)
+class SamplingPlan:
+    """What a request's parameters mean for every step, worked out once: the logit_bias ids and
+    values and the ids min_tokens forbids as tensors (built on first use, per vocabulary size and
+    device), the stop ids as a set. A step then costs one tensor op per row whatever the number
+    of entries. `builds` counts the tensors built."""
+
+    params: SamplingParams
+    stop_token_ids: frozenset[int] = field(init=False)
+    builds: int = field(init=False, default=0)
+    _bias: tuple[tuple, torch.Tensor, torch.Tensor] | None = field(init=False, default=None)
+    _forbidden: tuple[tuple, torch.Tensor] | None = field(init=False, default=None)
+
+    def __post_init__(self) -> None:
+        self.stop_token_ids = frozenset(self.params.stop_token_ids)
+
+    def bias(self, vocab: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids, values in `like`'s dtype) of the logit_bias entries inside the vocabulary."""
+        key = (vocab, like.device, like.dtype)
+        if self._bias is None or self._bias[0] != key:
+            entries = [(t, b) for t, b in self.params.logit_bias.items() if 0 <= t < vocab]
+            ids = torch.tensor([t for t, _ in entries], dtype=torch.int64, device=like.device)
+            values = torch.tensor([b for _, b in entries], dtype=like.dtype, device=like.device)
+            self._bias, self.builds = (key, ids, values), self.builds + 1
+        return self._bias[1], self._bias[2]
+
+    def forbidden(self, eos_token_ids: Sequence[int], vocab: int,
+                  device: torch.device) -> torch.Tensor:
+        """The ids that would end the request, while min_tokens says it may not end yet."""
+        key = (vocab, device, tuple(eos_token_ids))
+        if self._forbidden is None or self._forbidden[0] != key:
+            ids = sorted(t for t in stop_ids(self.params, eos_token_ids) if 0 <= t < vocab)
+            tensor = torch.tensor(ids, dtype=torch.int64, device=device)
+            self._forbidden, self.builds = (key, tensor), self.builds + 1
+        return self._forbidden[1]
+
+
 @dataclass(slots=True)
 class SamplingInput:
-    """What the sampler needs to know about the request behind one row of logits."""
+    """What the sampler needs to know about the request behind one row of logits. `plan` is
+    the request's own, kept across steps (`Request.sampling_plan`); without one a fresh one is
+    made, which works the same but rebuilds its tensors."""
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None
+    plan: SamplingPlan | None = None
+
+    def __post_init__(self) -> None:
+        if self.plan is None:
+            self.plan = SamplingPlan(self.params)
 
 
 @dataclass(slots=True)
@@ -118,18 +162,10 @@ def has_penalties(p: SamplingParams) -> bool:
 def apply_logit_bias(logits: torch.Tensor, inputs: Sequence[SamplingInput]) -> None:
     """Adds each row's bias in place; ids outside the vocabulary are ignored."""
     vocab = logits.size(1)
-    entries = [
-        (row, token, bias)
-        for row, x in enumerate(inputs)
-        for token, bias in x.params.logit_bias.items()
-        if 0 <= token < vocab
-    ]
-    if not entries:
-        return
-    rows, tokens, biases = zip(*entries, strict=True)
-    index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
-    values = torch.tensor(biases, dtype=logits.dtype, device=logits.device)
-    logits.index_put_(index, values, accumulate=True)
+    for row, x in enumerate(inputs):
+        if x.params.logit_bias:
+            ids, values = x.plan.bias(vocab, logits)
+            logits[row].index_add_(0, ids, values)
 
 
 def apply_min_tokens(
@@ -137,18 +173,10 @@ def apply_min_tokens(
 ) -> None:
     """Forbids the ids that would end the request while it has fewer than min_tokens outputs."""
     vocab = logits.size(1)
-    entries = [
-        (row, token)
-        for row, x in enumerate(inputs)
-        if has_min_tokens(x)
-        for token in stop_ids(x.params, eos_token_ids)
-        if 0 <= token < vocab
-    ]
-    if not entries:
-        return
-    rows, tokens = zip(*entries, strict=True)
-    index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
-    logits.index_put_(index, torch.tensor(-math.inf, device=logits.device))
+    for row, x in enumerate(inputs):
+        if has_min_tokens(x):
+            logits[row].index_fill_(0, x.plan.forbidden(eos_token_ids, vocab, logits.device),
+                                    -math.inf)
 
 
 def stop_ids(params: SamplingParams, eos_token_ids: Sequence[int]) -> set[int]:
