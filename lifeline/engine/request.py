@@ -5,7 +5,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
-from lifeline.engine.sampler import SamplingPlan
+from lifeline.engine.sampling_plan import SamplingPlan
 from lifeline.engine.sampling_params import SamplingParams
 
 

@@ -1,7 +1,7 @@
 """Stop strings over streamed text: never leak one, not even a part that completes later."""
 from __future__ import annotations
 
-from collections import deque
+from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,44 +22,57 @@ class StopResult:
 
 class _Automaton:
     """Aho–Corasick over the stop strings. A state is a trie node: the longest suffix of the text
-    read so far that is a prefix of a stop string, spelled `stop[pattern[n]][:depth[n]]`."""
+    read so far that is a prefix of a stop string, spelled `stop[pattern[n]][:depth[n]]`. The
+    trie's edges live in one dict keyed by `node << 21 | ord(char)`, which is lighter than a dict
+    per node for long stop strings."""
 
-    __slots__ = ("children", "fail", "depth", "pattern", "out")
+    __slots__ = ("goto", "fail", "depth", "pattern", "out")
 
     def __init__(self, stop: Sequence[str]) -> None:
-        self.children: list[dict[str, int]] = [{}]
-        self.depth, self.pattern, self.out = [0], [0], [-1]
+        self.goto: dict[int, int] = {}
+        self.depth, self.pattern, self.out = array("q", [0]), array("q", [0]), array("q", [-1])
+        edges: list[tuple[int, int]] = [(0, 0)]
         for index, s in enumerate(stop):
             node = 0
             for c in s:
-                nxt = self.children[node].get(c)
+                key = node << 21 | ord(c)
+                nxt = self.goto.get(key)
                 if nxt is None:
-                    nxt = len(self.children)
-                    self.children[node][c] = nxt
-                    self.children.append({})
+                    nxt = self.goto[key] = len(self.depth)
                     self.depth.append(self.depth[node] + 1)
                     self.pattern.append(index)
                     self.out.append(-1)
+                    edges.append((node, ord(c)))
                 node = nxt
             if self.out[node] < 0:
                 self.out[node] = index
-        self.fail = [0] * len(self.children)
-        self._link()
+        self.fail = array("q", bytes(8 * len(self.depth)))
+        self._link(edges)
 
-    def _link(self) -> None:
-        """Failure links breadth first; `out` becomes the longest stop string that is a suffix of
-        the node's text (its own if it is one, else its failure node's)."""
-        queue = deque(self.children[0].values())
-        while queue:
-            node = queue.popleft()
+    def _link(self, edges: list[tuple[int, int]]) -> None:
+        """Failure links, shallow nodes first; `out` becomes the longest stop string that is a
+        suffix of the node's text (its own if it is one, else its failure node's)."""
+        by_depth: list[list[int]] = [[] for _ in range(max(self.depth) + 1)]
+        for node in range(1, len(self.depth)):
+            by_depth[self.depth[node]].append(node)
+        for level in by_depth[2:]:
+            for node in level:
+                parent, c = edges[node]
+                f = self.fail[parent]
+                while f and (f << 21 | c) not in self.goto:
+                    f = self.fail[f]
+                self.fail[node] = self.goto.get(f << 21 | c, 0)
+        for node in range(1, len(self.depth)):
             if self.out[node] < 0:
                 self.out[node] = self.out[self.fail[node]]
-            for c, child in self.children[node].items():
-                queue.append(child)
-                f = self.fail[node]
-                while f and c not in self.children[f]:
-                    f = self.fail[f]
-                self.fail[child] = self.children[f].get(c, 0)
+
+    def step(self, state: int, c: str) -> tuple[int, int]:
+        """The state after reading `c`, and the moves it took (one, plus one per failure link)."""
+        code, moves = ord(c), 1
+        while state and (state << 21 | code) not in self.goto:
+            state = self.fail[state]
+            moves += 1
+        return self.goto.get(state << 21 | code, 0), moves
 
 
 class StopChecker:
@@ -110,12 +123,7 @@ class StopChecker:
         return text
 
     def _advance(self, c: str) -> None:
-        ac, state = self._ac, self._state
-        moves = 1
-        while state and c not in ac.children[state]:
-            state = ac.fail[state]
-            moves += 1
-        self._state = ac.children[state].get(c, 0)
+        self._state, moves = self._ac.step(self._state, c)
         self.transitions += moves
 
     def _unemitted(self, state: int, held: int, delta: str, n: int) -> str:
