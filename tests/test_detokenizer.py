@@ -10,8 +10,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lifeline.tokenizer import GGUFTokenizer, HFTokenizer, IncrementalDetokenizer, Tokenizer
-from lifeline.tokenizer import load_tokenizer
+from lifeline.tokenizer import (
+    GGUFTokenizer,
+    HFTokenizer,
+    IncrementalDetokenizer,
+    Tokenizer,
+    load_tokenizer,
+)
 from tests.test_tokenizer import write_byte_level_bpe
 
 HYPOTHESIS = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
