@@ -290,3 +290,132 @@ def test_bfloat16_logits_are_sampled_in_float32():
     out = Sampler([EOS])(logits, inputs)
     assert out.token_ids[0] == int(logits[0].float().argmax())
     assert out.token_ids[2] in logits[2].float().topk(2).indices.tolist()
+
+
+# --- per-request plans: built once, bit-identical to rebuilding every step --------------------
+
+def rebuilt_bias_and_min_tokens(logits: torch.Tensor, inputs: list[SamplingInput],
+                                eos: list[int]) -> torch.Tensor:
+    """The former per-step code: one index_put_ over (row, id) lists rebuilt from the params."""
+    out, vocab = logits.clone(), logits.size(1)
+    entries = [(r, t, b) for r, x in enumerate(inputs) for t, b in x.params.logit_bias.items()
+               if 0 <= t < vocab]
+    if entries:
+        rows, tokens, biases = zip(*entries, strict=True)
+        out.index_put_((torch.tensor(rows), torch.tensor(tokens)),
+                       torch.tensor(biases, dtype=out.dtype), accumulate=True)
+    banned = [(r, t) for r, x in enumerate(inputs) if len(x.output_token_ids) < x.params.min_tokens
+              for t in ({*eos} if not x.params.ignore_eos else set()) | {*x.params.stop_token_ids}
+              if 0 <= t < vocab]
+    if banned:
+        rows, tokens = zip(*banned, strict=True)
+        out.index_put_((torch.tensor(rows), torch.tensor(tokens)), torch.tensor(-math.inf))
+    return out
+
+
+def planned_rows(seed: int, vocab: int) -> list[SamplingInput]:
+    rng = torch.Generator().manual_seed(seed)
+    rows = []
+    for i in range(6):
+        n = int(torch.randint(0, 50, (), generator=rng))
+        ids = torch.randint(-5, vocab + 5, (n,), generator=rng).tolist()
+        bias = {t: float(b) for t, b in zip(ids, torch.randn(n, generator=rng) * 30)}
+        rows.append(row(list(range(i, 3 * i)), [1, 2, 2, 7][: i % 5], logit_bias=bias,
+                        min_tokens=3 * (i % 2), stop_token_ids=[5, vocab + 2, 9][: i % 4],
+                        ignore_eos=i == 4, repetition_penalty=1.0 + 0.1 * i,
+                        frequency_penalty=0.3 * (i % 3), presence_penalty=-0.2 * (i % 2),
+                        temperature=0.8 * (i % 3), seed=100 + i))
+    return rows
+
+
+def test_planned_bias_and_min_tokens_equal_rebuilding_them_every_step():
+    from lifeline.engine.sampler import apply_logit_bias, apply_min_tokens
+
+    for seed in range(20):
+        logits, inputs = random_logits(6, 64, seed), planned_rows(seed, 64)
+        ours = logits.clone()
+        for _ in range(2):  # the second pass reuses the plan's tensors
+            ours = logits.clone()
+            apply_logit_bias(ours, inputs)
+            apply_min_tokens(ours, inputs, [EOS])
+        assert torch.equal(ours, rebuilt_bias_and_min_tokens(logits, inputs, [EOS])), seed
+
+
+def test_planned_sampling_gives_the_same_tokens_with_bias_min_tokens_and_penalties():
+    """Whole steps through the Sampler: a fresh plan every step (the old behaviour: everything
+    rebuilt) and one plan kept across steps choose the same tokens and logprobs."""
+    sampler = Sampler([EOS])
+    kept = planned_rows(7, 64)
+    fresh_outputs = [list(x.output_token_ids) for x in kept]
+    for step in range(12):
+        logits = random_logits(6, 64, 1000 + step)
+        fresh = [SamplingInput(x.params, x.prompt_token_ids, out, make_generator(step + i))
+                 for i, (x, out) in enumerate(zip(kept, fresh_outputs))]
+        for i, x in enumerate(kept):
+            x.generator = make_generator(step + i)
+        a, b = sampler(logits, kept), sampler(logits, fresh)
+        assert a.token_ids == b.token_ids, step
+        for x, out, token in zip(kept, fresh_outputs, a.token_ids):
+            x.output_token_ids.append(token)
+            out.append(token)
+    assert all(x.plan.builds <= 2 for x in kept)
+
+
+class OpCounter(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the aten operators run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+class ReadCountingDict(dict):
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.reads = 0
+
+    def items(self):
+        self.reads += 1
+        return super().items()
+
+
+class ReadCountingList(list):
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.reads = 0
+
+    def __iter__(self):
+        self.reads += 1
+        return super().__iter__()
+
+
+def run_steps(entries: int, steps: int = 8) -> tuple[list[int], list[tuple[int, int]], int]:
+    """Operators per step of a request with `entries` bias ids and as many stop ids, under
+    min_tokens all along; how often its bias and stop ids had been read after each step; how
+    many tensors its plan built."""
+    bias = ReadCountingDict({t: 0.5 for t in range(entries)})
+    stop = ReadCountingList(range(entries))
+    x = row([1, 2], [], logit_bias=bias, stop_token_ids=stop, min_tokens=100, temperature=0)
+    sampler, ops, reads = Sampler([EOS]), [], []
+    for step in range(steps):
+        counter = OpCounter()
+        with counter:
+            token = sampler(random_logits(1, 20_000, step), [x]).token_ids[0]
+        x.output_token_ids.append(token)
+        ops.append(counter.ops)
+        reads.append((bias.reads, stop.reads))
+    return ops, reads, x.plan.builds
+
+
+def test_per_step_work_does_not_grow_with_bias_entries_or_stop_ids():
+    """The bias and stop ids are read for the first step, when the plan is built, never again;
+    after it every step runs the same operators, for 3 entries or 5,000."""
+    few_ops, few_reads, few_builds = run_steps(3)
+    many_ops, many_reads, many_builds = run_steps(5_000)
+    assert few_builds == many_builds == 2
+    assert len(set(few_reads)) == len(set(many_reads)) == 1
+    assert len(set(few_ops[1:])) == 1 and few_ops[1:] == many_ops[1:]

@@ -123,3 +123,58 @@ def test_any_split_of_any_text_matches_reference(text, stop, cuts, include):
     points = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
     deltas = [text[a:b] for a, b in itertools.pairwise(points)]
     assert stream(deltas, stop, include) == reference(text, stop, include)
+
+
+def brute_held(text: str, stop: list[str]) -> int:
+    """Longest suffix of `text` that is a proper prefix of a stop string."""
+    return max((n for n in range(1, len(text) + 1) for s in stop
+                if len(s) > n and s.startswith(text[-n:])), default=0)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    text=st.text(alphabet="ab.é", max_size=60),
+    stop=st.lists(st.text(alphabet="ab.é", max_size=8), min_size=0, max_size=6),
+    cuts=st.lists(st.integers(0, 60), max_size=12),
+    include=st.booleans(),
+)
+def test_automaton_matches_brute_force_and_holds_only_stop_prefixes(text, stop, cuts, include):
+    points = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
+    deltas = [text[a:b] for a, b in itertools.pairwise(points)]
+    assert stream(deltas, stop, include) == reference(text, stop, include)
+    checker, seen = StopChecker(stop, include), ""
+    for delta in deltas:
+        seen += delta
+        result = checker.feed(delta)
+        if result.stopped:
+            break
+        assert result.held == (0 if include else brute_held(seen, [s for s in stop if s]))
+
+
+def transitions_for(stop_length: int, text: str, deltas: int) -> int:
+    checker = StopChecker(["a" * stop_length + "b", "x" * stop_length])
+    step = len(text) // deltas
+    for i in range(0, len(text), step):
+        assert not checker.feed(text[i : i + step]).stopped
+    return checker.transitions
+
+
+def test_cost_per_character_does_not_grow_with_stop_length():
+    """The worst case of the old tail re-scan: text that keeps matching a long stop string's
+    prefix. The automaton makes at most two moves a character, for a short or a long stop."""
+    text = "a" * 20_000 + "c" + "xa" * 5_000
+    short, long = transitions_for(10, text, 2_000), transitions_for(100_000, text, 2_000)
+    assert short <= 2 * len(text) and long <= 2 * len(text)
+
+
+def test_long_stop_string_held_then_released_or_matched():
+    stop = "z" * 50_000
+    checker = StopChecker([stop])
+    emitted = checker.feed("head").emit
+    for _ in range(49_999):
+        emitted += checker.feed("z").emit
+    assert emitted == "head" and checker.held == 49_999
+    assert checker.feed("z").stop_str == stop
+    checker = StopChecker([stop])
+    checker.feed("z" * 49_999)
+    assert checker.feed("!").emit == "z" * 49_999 + "!"

@@ -227,6 +227,9 @@ class WindowRecorder:
     def __init__(self, inner: Tokenizer):
         self.inner, self.longest = inner, 0
 
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         self.longest = max(self.longest, len(ids))
         return self.inner.decode(ids, skip_special_tokens)

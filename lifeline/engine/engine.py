@@ -303,8 +303,8 @@ class LLMEngine:
         argmax = self.runner.last_argmax
         if argmax is not None and not every:
             argmax = argmax[inputs.sample_rows]
-        batch = [SamplingInput(r.params, r.prompt_token_ids, r.output_token_ids, r.generator)
-                 for r in inputs.sampling]
+        batch = [SamplingInput(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
+                               r.sampling_plan) for r in inputs.sampling]
         return self.sampler(rows, batch, argmax)
 
     def _record_prompt_logits(self, inputs: StepInputs, logits: torch.Tensor) -> None:

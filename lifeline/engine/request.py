@@ -5,6 +5,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any
 
+from lifeline.engine.sampling_plan import SamplingPlan
 from lifeline.engine.sampling_params import SamplingParams
 
 
@@ -100,6 +101,11 @@ class Request:
     fault: str | None = None
     """A fault to inject when a step runs this request ('step': that step raises), set only
     by a server started with fault injection on."""
+    sampling_plan: SamplingPlan = field(init=False)
+    """The parameters worked out once for every step: bias tensors, stop-id set."""
+
+    def __post_init__(self) -> None:
+        self.sampling_plan = SamplingPlan(self.params)
 
     @property
     def all_token_ids(self) -> list[int]:

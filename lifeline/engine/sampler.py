@@ -9,18 +9,26 @@ from dataclasses import dataclass
 import torch
 
 from lifeline.engine.sampling_params import SamplingParams
+from lifeline.engine.sampling_plan import SamplingPlan
 
 TOP_P_CANDIDATES = 1024
 
 
 @dataclass(slots=True)
 class SamplingInput:
-    """What the sampler needs to know about the request behind one row of logits."""
+    """What the sampler needs to know about the request behind one row of logits. `plan` is
+    the request's own, kept across steps (`Request.sampling_plan`); without one a fresh one is
+    made, which works the same but rebuilds its tensors."""
 
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
     generator: torch.Generator | None = None
+    plan: SamplingPlan | None = None
+
+    def __post_init__(self) -> None:
+        if self.plan is None:
+            self.plan = SamplingPlan(self.params)
 
 
 @dataclass(slots=True)
@@ -118,18 +126,10 @@ def has_penalties(p: SamplingParams) -> bool:
 def apply_logit_bias(logits: torch.Tensor, inputs: Sequence[SamplingInput]) -> None:
     """Adds each row's bias in place; ids outside the vocabulary are ignored."""
     vocab = logits.size(1)
-    entries = [
-        (row, token, bias)
-        for row, x in enumerate(inputs)
-        for token, bias in x.params.logit_bias.items()
-        if 0 <= token < vocab
-    ]
-    if not entries:
-        return
-    rows, tokens, biases = zip(*entries, strict=True)
-    index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
-    values = torch.tensor(biases, dtype=logits.dtype, device=logits.device)
-    logits.index_put_(index, values, accumulate=True)
+    for row, x in enumerate(inputs):
+        if x.params.logit_bias:
+            ids, values = x.plan.bias(vocab, logits)
+            logits[row].index_add_(0, ids, values)
 
 
 def apply_min_tokens(
@@ -137,23 +137,10 @@ def apply_min_tokens(
 ) -> None:
     """Forbids the ids that would end the request while it has fewer than min_tokens outputs."""
     vocab = logits.size(1)
-    entries = [
-        (row, token)
-        for row, x in enumerate(inputs)
-        if has_min_tokens(x)
-        for token in stop_ids(x.params, eos_token_ids)
-        if 0 <= token < vocab
-    ]
-    if not entries:
-        return
-    rows, tokens = zip(*entries, strict=True)
-    index = (torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device))
-    logits.index_put_(index, torch.tensor(-math.inf, device=logits.device))
-
-
-def stop_ids(params: SamplingParams, eos_token_ids: Sequence[int]) -> set[int]:
-    eos = set() if params.ignore_eos else set(eos_token_ids)
-    return eos | set(params.stop_token_ids)
+    for row, x in enumerate(inputs):
+        if has_min_tokens(x):
+            logits[row].index_fill_(0, x.plan.forbidden(eos_token_ids, vocab, logits.device),
+                                    -math.inf)
 
 
 def apply_penalties(logits: torch.Tensor, inputs: Sequence[SamplingInput]) -> None:

@@ -181,7 +181,7 @@ class Scheduler:
             if not params.ignore_eos and token in req.eos_token_ids:
                 req.stop_reason = None
                 return FinishReason.STOP
-            if token in params.stop_token_ids:
+            if token in req.sampling_plan.stop_token_ids:
                 req.stop_reason = token
                 return FinishReason.STOP
         if params.max_tokens is not None and n >= params.max_tokens:
