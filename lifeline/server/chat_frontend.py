@@ -125,6 +125,7 @@ class ChatFrontend:
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             chat_template_kwargs=body.chat_template_kwargs)
+        inputs = template.escaped(inputs)
         return RenderedPrompt(template.render_inputs(inputs), template, inputs)
 
     def encode(self, prompt: RenderedPrompt) -> list[int]:
