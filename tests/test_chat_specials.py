@@ -183,8 +183,11 @@ def server():
     from lifeline.server.testing import ServerThread
 
     config = ServerConfig(engine=EngineConfig(kv_cache_memory_bytes=256 << 20))
-    with ServerThread(load_model(), config) as srv:
+    srv = ServerThread(load_model(), config).start(timeout=300)  # a loaded machine is slow
+    try:
         yield srv
+    finally:
+        srv.stop()
 
 
 def tokenize(client: openai.OpenAI, content: str) -> dict:

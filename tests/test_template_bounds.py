@@ -103,10 +103,20 @@ def test_an_oversized_operation_fails_before_it_allocates(name):
     assert peak < PEAK_BYTES, f"{name}: {peak >> 20} MiB"
 
 
-def test_results_kept_alive_count_toward_the_allocation_limit():
+KEPT_ALIVE = {
+    "concatenated": "{% set ns = namespace(l=[]) %}{% for i in range(1000) %}"
+                    "{% set ns.l = ns.l + [('x' * 4000000) ~ i] %}{% endfor %}",
+    "sliced": "{% set s = 'x' * 4000000 %}{% set ns = namespace(l=[]) %}"
+              "{% for i in range(1000) %}{% set ns.l = ns.l + [s[i:]] %}{% endfor %}",
+    "stripped": "{% set s = ' ' + 'x' * 4000000 %}{% set ns = namespace(l=[]) %}"
+                "{% for i in range(1000) %}{% set ns.l = ns.l + [s.strip()] %}{% endfor %}",
+}
+
+
+@pytest.mark.parametrize("name", sorted(KEPT_ALIVE))
+def test_results_kept_alive_count_toward_the_allocation_limit(name):
     # each string is within the size limit; together they are not
-    source = ("{% set ns = namespace(l=[]) %}{% for i in range(1000) %}"
-              "{% set ns.l = ns.l + [('x' * 4000000) ~ i] %}{% endfor %}")
+    source = KEPT_ALIVE[name]
     template = ChatTemplate(source, "request", limits=RenderLimits(max_alloc_bytes=32 << 20))
     error, peak = peak_of(template)
     assert "bytes" in str(error) and peak < PEAK_BYTES

@@ -24,6 +24,7 @@ from lifeline.chat.errors import ChatError, TemplateTimeout
 from lifeline.chat.guards import RenderLimits
 
 _ITER, _EMIT, _CONCAT = "_lifeline_iter", "_lifeline_emit", "_lifeline_concat"
+_SLICED = "_lifeline_sliced"
 
 
 class TemplateRaised(jinja2.TemplateError):
@@ -43,7 +44,8 @@ class _GenerationTag(Extension):
 
 
 class _Instrument(NodeTransformer):
-    """Routes loop iterables, outputs and `~` concatenations through the budget filters."""
+    """Routes loop iterables, outputs, `~` concatenations and slices through the budget
+    filters."""
 
     def visit_For(self, node: nodes.For) -> nodes.Node:
         self.generic_visit(node)
@@ -54,6 +56,10 @@ class _Instrument(NodeTransformer):
         self.generic_visit(node)
         node.nodes = [_wrap(child, _EMIT) for child in node.nodes]
         return node
+
+    def visit_Getitem(self, node: nodes.Getitem) -> nodes.Node:
+        self.generic_visit(node)
+        return _wrap(node, _SLICED) if isinstance(node.arg, nodes.Slice) else node
 
     def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
         self.generic_visit(node)
@@ -87,6 +93,14 @@ def _concat(eval_ctx: Any, values: list[Any]) -> str:
     budget.check_size(sum(sizes.str_length(v, budget.check_deadline) for v in values))
     join = jinja2.runtime.markup_join if eval_ctx.autoescape else jinja2.runtime.str_join
     return budget.check_result(join(values), values)
+
+
+@jinja2.pass_context
+def _sliced(context: Any, value: Any) -> Any:
+    """A slice (Jinja writes `x[a:b]` as Python's own subscript): a copy, which counts."""
+    budget = guards.current_budget()
+    budget.tick()
+    return budget.check_result(value)
 
 
 def _guard_filter(name: str, func: Any) -> Any:
@@ -172,7 +186,8 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
                          extensions=[loopcontrols, _GenerationTag])
         self.filters["tojson"] = _tojson
         self.filters = {name: _guard_filter(name, f) for name, f in self.filters.items()}
-        self.filters.update({_ITER: _iterate, _EMIT: _emit, _CONCAT: _concat})
+        self.filters.update({_ITER: _iterate, _EMIT: _emit, _CONCAT: _concat,
+                             _SLICED: _sliced})
         self.globals.update(range=guards.bounded_range, raise_exception=_raise_exception,
                             lipsum=_lipsum,
                             strftime_now=_strftime_now, namespace=_Namespace, dict=_TemplateDict())
