@@ -1,7 +1,12 @@
 """Message assembly (stage 2): chat templates, prompt anatomy, reasoning and tool-call parsers."""
 from __future__ import annotations
 
-from lifeline.chat.anatomy import PromptAnatomy, prompt_add_special_tokens, prompt_anatomy
+from lifeline.chat.anatomy import (
+    PromptAnatomy,
+    encode_prompt,
+    prompt_add_special_tokens,
+    prompt_anatomy,
+)
 from lifeline.chat.builtin import BUILTIN_TEMPLATES, builtin_family
 from lifeline.chat.errors import ChatError, TemplateTimeout
 from lifeline.chat.guards import RenderLimits
@@ -28,6 +33,7 @@ __all__ = [
     "ToolCallDelta",
     "ToolCallParser",
     "builtin_family",
+    "encode_prompt",
     "opens_reasoning",
     "prompt_add_special_tokens",
     "prompt_anatomy",

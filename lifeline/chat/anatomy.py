@@ -30,6 +30,7 @@ from typing import Any
 from lifeline.chat.errors import ChatError
 from lifeline.chat.templates import ChatInputs, ChatTemplate
 from lifeline.tokenizer import Tokenizer
+from lifeline.tokenizer.specials import unescape
 
 TEMPLATE, SYSTEM, TOOLS, HISTORY, LATEST_USER = range(5)
 _SENTINEL = re.compile("\ue000(\\d+)\ue001")
@@ -71,6 +72,17 @@ def prompt_add_special_tokens(tokenizer: Tokenizer, prompt: str) -> bool:
     return not prompt.startswith(tokenizer.token_to_bytes(bos).decode("utf-8", "replace"))
 
 
+def encode_prompt(tokenizer: Tokenizer, prompt: str) -> list[int]:
+    """The ids of a rendered prompt: special tokens only where the template wrote them (the
+    tokenizer's `encode_rendered`), BOS as `prompt_add_special_tokens` says."""
+    add_special = prompt_add_special_tokens(tokenizer, prompt)
+    return _encoder(tokenizer)(prompt, add_special)
+
+
+def _encoder(tokenizer: Tokenizer) -> Any:
+    return getattr(tokenizer, "encode_rendered", tokenizer.encode)
+
+
 def prompt_anatomy(template: ChatTemplate, tokenizer: Tokenizer, messages: Any, *,
                    tools: Any = None, tool_choice: Any = None,
                    add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -88,6 +100,7 @@ def prompt_anatomy(template: ChatTemplate, tokenizer: Tokenizer, messages: Any, 
 
 def anatomy_of_inputs(template: ChatTemplate, tokenizer: Tokenizer, inputs: ChatInputs,
                       prompt_ids: Sequence[int] | None = None) -> PromptAnatomy:
+    inputs = template.escaped(inputs)
     prompt = template.render_inputs(inputs)
     labels = label_prompt(template, inputs, prompt)
     add_special = prompt_add_special_tokens(tokenizer, prompt)
@@ -323,16 +336,18 @@ def _runs(labels: bytearray) -> list[tuple[int, int, int]]:
 
 def _count_tokens(tokenizer: Tokenizer, prompt: str, labels: bytearray, add_special: bool,
                   prompt_ids: Sequence[int] | None) -> list[int]:
-    ids = list(prompt_ids) if prompt_ids is not None else tokenizer.encode(
-        prompt, add_special_tokens=add_special)
+    """`prompt` may hold placeholders (one character for one), so labels index the text the
+    tokens spell as well."""
+    ids = list(prompt_ids) if prompt_ids is not None else _encoder(tokenizer)(prompt, add_special)
     counts = [0] * 5
     runs = _runs(labels)
-    starts = _byte_starts(tokenizer, ids, prompt)
+    text = unescape(prompt)
+    starts = _byte_starts(tokenizer, ids, text)
     if starts is None:
         return _count_by_prefixes(tokenizer, prompt, runs, add_special)
     byte_labels = bytearray()
     for start, end, label in runs:
-        byte_labels += bytes((label,)) * len(prompt[start:end].encode())
+        byte_labels += bytes((label,)) * len(text[start:end].encode())
     counts[TEMPLATE] += len(ids) - len(starts)
     for start in starts:
         counts[byte_labels[start] if start < len(byte_labels) else TEMPLATE] += 1
@@ -355,10 +370,11 @@ def _byte_starts(tokenizer: Tokenizer, ids: list[int], prompt: str) -> list[int]
 def _count_by_prefixes(tokenizer: Tokenizer, prompt: str, runs: list[tuple[int, int, int]],
                        add_special: bool) -> list[int]:
     counts = [0] * 5
-    before = len(tokenizer.encode("", add_special_tokens=add_special))
+    encode = _encoder(tokenizer)
+    before = len(encode("", add_special))
     counts[TEMPLATE] += before
     for _, end, label in runs:
-        upto = len(tokenizer.encode(prompt[:end], add_special_tokens=add_special))
+        upto = len(encode(prompt[:end], add_special))
         counts[label] += upto - before
         before = upto
     return counts

@@ -2,21 +2,28 @@
 something huge before the budget could notice (``"x" * 10**10``, ``center(10**10)``).
 
 The budget counts operations (loop iterations, calls, filters, outputs) and watches a
-deadline; sizes are checked before an operation that can grow its input many times over and
-after every other one that builds a string or a container."""
+deadline; sizes are checked before every operation that can build a string or a container
+larger than its inputs (from the sizes of its inputs, see `lifeline.chat.sizes`), and the memory
+of what operations build is added up, so that a loop cannot keep many large results alive."""
 from __future__ import annotations
 
 import re
+import string
+import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sized
 from contextvars import ContextVar
 from dataclasses import dataclass
+from itertools import islice
 from typing import Any
 
+from lifeline.chat import sizes
 from lifeline.chat.errors import TemplateTimeout
 
 MAX_RANGE = 100_000
 MAX_POWER_BITS = 1 << 20
+_PERCENT_FIELD = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d*))?")
+_DIGITS = re.compile(r"\d+")
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,23 +39,31 @@ class RenderLimits:
     operation may build."""
     max_items: int = 1_000_000
     """The most items a list, tuple, dict or set built by one operation may hold."""
+    max_alloc_bytes: int = 128 << 20
+    """The memory (as `sys.getsizeof` counts it) of all strings and containers one render's
+    operations build, added up whether or not they are still alive."""
 
     def __post_init__(self) -> None:
         if not (self.timeout_s > 0 and min(self.max_operations, self.max_output_chars,
-                                           self.max_items) > 0):
+                                           self.max_items, self.max_alloc_bytes) > 0):
             raise ValueError("render limits must be positive")
 
 
 class Budget:
     """What is left of one render's limits."""
 
-    __slots__ = ("deadline", "emitted", "limits", "operations")
+    __slots__ = ("allocated", "deadline", "emitted", "limits", "operations")
 
     def __init__(self, limits: RenderLimits):
         self.limits = limits
         self.deadline = time.monotonic() + limits.timeout_s
         self.operations = 0
         self.emitted = 0
+        self.allocated = 0
+
+    def check_deadline(self) -> None:
+        if time.monotonic() > self.deadline:
+            raise TemplateTimeout(f"chat template stopped after {self.limits.timeout_s:g} s")
 
     def tick(self) -> None:
         self.operations += 1
@@ -72,10 +87,25 @@ class Budget:
             raise TemplateTimeout(f"chat template would build a {what} of size {size} "
                                   f"(limit {limit})")
 
-    def check_result(self, value: Any) -> Any:
+    def check_result(self, value: Any, inputs: Iterable[Any] = (), built: bool = True) -> Any:
+        """`value` once its size is checked; if the operation `built` it and it is none of its
+        `inputs`, its memory counts toward `max_alloc_bytes`."""
         if isinstance(value, (str, bytes, list, tuple, dict, set, frozenset)):
             self.check_size(len(value), type(value).__name__)
+            if built and not any(value is x for x in inputs):
+                self.allocated += sys.getsizeof(value)
+                if self.allocated > self.limits.max_alloc_bytes:
+                    raise TemplateTimeout(f"chat template built more than "
+                                          f"{self.limits.max_alloc_bytes} bytes")
         return value
+
+    def check_str(self, value: Any) -> None:
+        """`str(value)` would not be over the size limit."""
+        if not isinstance(value, str):
+            self.check_size(sizes.str_length(value, self.check_deadline))
+
+    def check_count(self, count: int) -> None:
+        self.check_size(count, "list")
 
     def check_ints(self, values: Any) -> None:
         for value in values:
@@ -122,11 +152,16 @@ def check_binop(budget: Budget, operator: str, left: Any, right: Any) -> None:
         if abs(left).bit_length() * right > MAX_POWER_BITS:
             raise TemplateTimeout("chat template power is too large")
     elif operator == "*":
+        if _is_int(left) and _is_int(right):
+            if left.bit_length() + right.bit_length() > MAX_POWER_BITS:
+                raise TemplateTimeout("chat template product is too large")
         _check_repeat(budget, left, right)
         _check_repeat(budget, right, left)
+    elif operator == "+":
+        if isinstance(left, (str, list, tuple)) and isinstance(right, type(left)):
+            budget.check_size(len(left) + len(right), type(left).__name__)
     elif operator == "%" and isinstance(left, str):
-        args = right if isinstance(right, tuple) else (right,)
-        check_format(budget, left, args if "*" in left else ())
+        check_percent(budget, left, right)
 
 
 def _check_repeat(budget: Budget, seq: Any, times: Any) -> None:
@@ -134,18 +169,60 @@ def _check_repeat(budget: Budget, seq: Any, times: Any) -> None:
         budget.check_size(len(seq) * times, type(seq).__name__)
 
 
-def check_format(budget: Budget, fmt: str, ints: Any = ()) -> None:
-    """Widths and precisions written in a format string, and the ints it may take them from."""
-    for digits in re.findall(r"\d+", fmt):
-        if len(digits) > 18 or int(digits) > budget.limits.max_output_chars:
-            raise TemplateTimeout("chat template format width is over the size limit")
-    budget.check_ints(ints)
+def _check_formatted(budget: Budget, fmt: str, fields: int, widths: int, args: Any) -> None:
+    """Each field writes at most its width, or the longest argument written out."""
+    values = list(args.values()) if isinstance(args, dict) else list(args)
+    longest = max((sizes.repr_length(v, budget.check_deadline)
+                   for v in ([args] if isinstance(args, dict) else values)), default=0)
+    ints = sum(abs(v) for v in values if _is_int(v) and abs(v) <= budget.limits.max_output_chars)
+    budget.check_ints(values)
+    total = len(fmt) + widths + fields * (longest + 2) + ints
+    if total > budget.limits.max_output_chars:
+        raise TemplateTimeout(f"chat template format would write up to {total} characters "
+                              f"(limit {budget.limits.max_output_chars})")
+
+
+def _width(budget: Budget, digits: str | None) -> int:
+    if not digits or digits == "*":
+        return 0
+    if len(digits) > 18 or int(digits) > budget.limits.max_output_chars:
+        raise TemplateTimeout("chat template format width is over the size limit")
+    return int(digits)
+
+
+def check_percent(budget: Budget, fmt: str, args: Any) -> None:
+    """`fmt % args` (and the `format` filter): the widths and fields in total."""
+    fields = widths = 0
+    for match in _PERCENT_FIELD.finditer(fmt):
+        fields += 1
+        widths += _width(budget, match.group(1)) + _width(budget, match.group(2))
+        if fields % 4096 == 0:
+            budget.check_deadline()
+    values = args if isinstance(args, (tuple, dict)) else (args,)
+    _check_formatted(budget, fmt, fields, widths, values)
+
+
+def check_str_format(budget: Budget, fmt: str, args: Any) -> None:
+    """`fmt.format(...)`: every replacement field, nested ones in format specs included."""
+    fields = widths = 0
+    try:
+        parsed = list(string.Formatter().parse(fmt))
+    except ValueError:
+        return  # str.format refuses it too
+    for _, name, spec, _ in parsed:
+        if name is None:
+            continue
+        fields += 1 + (spec or "").count("{")
+        widths += sum(_width(budget, d) for d in _DIGITS.findall(spec or ""))
+        if fields % 4096 == 0:
+            budget.check_deadline()
+    _check_formatted(budget, fmt, fields, widths, args)
 
 
 def replaced_size(text: Any, old: Any, new: Any, count: Any = -1) -> int:
     if not (isinstance(text, str) and isinstance(old, str) and isinstance(new, str)):
         return 0
-    hits = text.count(old)
+    hits = text.count(old) if old else len(text) + 1
     if _is_int(count) and count >= 0:
         hits = min(hits, count)
     return len(text) + hits * max(0, len(new) - len(old))
@@ -171,8 +248,11 @@ def _replace(budget: Budget, text: str, old: Any = "", new: Any = "", count: Any
 
 
 def _format(budget: Budget, text: str, *args: Any, **kwargs: Any) -> None:
-    nested = re.search(r"\{[^{}]*\{", text) is not None
-    check_format(budget, text, [*args, *kwargs.values()] if nested else ())
+    check_str_format(budget, text, [*args, *kwargs.values()])
+
+
+def _format_map(budget: Budget, text: str, mapping: Any = None, *_: Any) -> None:
+    check_str_format(budget, text, mapping if isinstance(mapping, dict) else [mapping])
 
 
 def _translate(budget: Budget, text: str, table: Any = None, *_: Any) -> None:
@@ -181,32 +261,193 @@ def _translate(budget: Budget, text: str, table: Any = None, *_: Any) -> None:
         budget.check_size(len(text) * longest, "str")
 
 
+def _case(budget: Budget, text: str, *_: Any, **__: Any) -> None:
+    """Changing case can lengthen a non-ASCII string up to threefold ('ﬃ' -> 'FFI')."""
+    budget.check_size(len(text) if text.isascii() else 3 * len(text), "str")
+
+
+def _join(budget: Budget, sep: str, items: Any = (), *_: Any) -> None:
+    if isinstance(items, Sized) and not isinstance(items, str):
+        total = sum(sizes.str_length(v, budget.check_deadline) for v in items)
+        budget.check_size(total + len(sep) * max(len(items) - 1, 0), "str")
+    elif isinstance(items, str):
+        budget.check_size(len(items) * (len(sep) + 1), "str")
+
+
+def _split(budget: Budget, text: str, sep: Any = None, maxsplit: Any = -1, **_: Any) -> None:
+    if isinstance(sep, str) and sep:
+        count = text.count(sep) + 1
+    else:
+        count = sum(text.count(c) for c in " \t\n\r\x0b\x0c") + 1 if text.isascii() \
+            else len(text) // 2 + 1
+    if _is_int(maxsplit) and maxsplit >= 0:
+        count = min(count, maxsplit + 1)
+    budget.check_count(count)
+
+
+def _splitlines(budget: Budget, text: str, *_: Any, **__: Any) -> None:
+    count = sum(text.count(c) for c in "\n\r\x0b\x0c\x1c\x1d\x1e\x85") + 1 if text.isascii() \
+        else len(text) + 1
+    budget.check_count(count)
+
+
 _STR_CHECKS: dict[str, Callable[..., None]] = {
     "center": _widen, "ljust": _widen, "rjust": _widen, "zfill": _widen,
     "expandtabs": _expandtabs, "replace": _replace, "format": _format,
-    "format_map": lambda budget, text, mapping=None: _format(budget, text),
-    "translate": _translate,
+    "format_map": _format_map, "translate": _translate, "join": _join,
+    "split": _split, "rsplit": _split, "splitlines": _splitlines,
+    "upper": _case, "lower": _case, "title": _case, "capitalize": _case, "swapcase": _case,
+    "casefold": _case,
 }
+MATERIALIZED_STR_ARGS = frozenset({"join"})
+"""String methods whose argument may be an iterator: made a list (within `max_items`) first, so
+that its size can be checked."""
+
+
+# --- filters ---------------------------------------------------------------------------------
+
+def materialize(budget: Budget, value: Any) -> Any:
+    """An iterator as a list (at most `max_items`); anything sized as it is."""
+    if isinstance(value, (Sized, str)) or not isinstance(value, Iterable):
+        return value
+    items = list(islice(value, budget.limits.max_items + 1))
+    budget.check_count(len(items))
+    return items
+
+
+MATERIALIZED_FILTERS = frozenset({"join", "list", "sort", "unique", "batch", "slice", "groupby",
+                                  "reverse", "sum", "tojson", "string", "pprint"})
+"""Filters whose input may be an iterator: made a list first, so that its size can be checked."""
+
+
+def _text_size(budget: Budget, value: Any) -> int:
+    return len(value) if isinstance(value, str) else sizes.str_length(value, budget.check_deadline)
+
+
+def _filter_stringify(budget: Budget, value: Any, *_: Any, **__: Any) -> None:
+    budget.check_str(value)
+
+
+def _filter_words(budget: Budget, value: Any, *_: Any, **__: Any) -> None:
+    """Filters that cut their text into a list of words or pieces first."""
+    size = _text_size(budget, value)
+    budget.check_size(size)
+    budget.check_count(size)
+
+
+def _filter_case(budget: Budget, value: Any, *_: Any, **__: Any) -> None:
+    _filter_stringify(budget, value)
+    if isinstance(value, str):
+        _case(budget, value)
+    else:
+        budget.check_size(3 * _text_size(budget, value))
 
 
 def _filter_indent(budget: Budget, text: Any, width: Any = 4, *_: Any, **__: Any) -> None:
-    if isinstance(width, str) and isinstance(text, str):
-        budget.check_size(len(width) * (text.count("\n") + 1) + len(text), "str")
+    size = _text_size(budget, text)
+    lines = text.count("\n") + 1 if isinstance(text, str) else size + 1
+    per_line = len(width) if isinstance(width, str) else width if _is_int(width) else 0
+    budget.check_size(size + lines * max(per_line, 0), "str")
+
+
+def _filter_wordwrap(budget: Budget, text: Any, width: Any = 79, break_long_words: Any = True,
+                     wrapstring: Any = None, *_: Any, **__: Any) -> None:
+    size = _text_size(budget, text)
+    budget.check_count(size)
+    wrap = len(wrapstring) if isinstance(wrapstring, str) else 2
+    budget.check_size(size * (1 + wrap), "str")
+
+
+def _filter_escape(budget: Budget, value: Any, *_: Any, **__: Any) -> None:
+    if isinstance(value, str):
+        budget.check_size(len(value) + 4 * sum(value.count(c) for c in "&<>\"'"), "str")
+    else:
+        budget.check_size(5 * _text_size(budget, value), "str")
+
+
+def _filter_urlencode(budget: Budget, value: Any, *_: Any, **__: Any) -> None:
+    size = _text_size(budget, value)
+    ascii_only = isinstance(value, str) and value.isascii()
+    budget.check_size(size * (3 if ascii_only else 12), "str")
+
+
+def _filter_xmlattr(budget: Budget, value: Any, *_: Any, **__: Any) -> None:
+    budget.check_size(6 * _text_size(budget, value), "str")
 
 
 def _filter_format(budget: Budget, value: Any, *args: Any, **kwargs: Any) -> None:
     if isinstance(value, str):
-        check_format(budget, value, args if "*" in value else ())
+        check_percent(budget, value, kwargs if kwargs else tuple(args))
 
 
 def _filter_replace(budget: Budget, text: Any, old: Any = "", new: Any = "",
                     count: Any = None) -> None:
-    budget.check_size(replaced_size(str(text), old, new, -1 if count is None else count), "str")
+    budget.check_str(text)
+    if isinstance(text, str):
+        budget.check_size(replaced_size(text, old, new, -1 if count is None else count), "str")
+    elif isinstance(new, str):
+        budget.check_size(_text_size(budget, text) * (len(new) + 1), "str")
+
+
+def _filter_join(budget: Budget, value: Any, d: Any = "", attribute: Any = None) -> None:
+    if attribute is None:
+        _join(budget, str(d) if isinstance(d, str) else "", value)
+    else:
+        budget.check_size(sizes.repr_length(value, budget.check_deadline)
+                          + len(str(d)) * len(value), "str")
+
+
+def _filter_list(budget: Budget, value: Any, *_: Any) -> None:
+    if isinstance(value, Sized):
+        budget.check_count(len(value))
+
+
+def _filter_tojson(budget: Budget, value: Any, ensure_ascii: Any = False, indent: Any = None,
+                   separators: Any = None, sort_keys: Any = False) -> None:
+    budget.check_size(sizes.json_length(value, ensure_ascii=ensure_ascii, indent=indent,
+                                        separators=separators, tick=budget.check_deadline))
+
+
+def _filter_pprint(budget: Budget, value: Any, *_: Any) -> None:
+    budget.check_size(sizes.pformat_length(value, budget.check_deadline))
+
+
+def _filter_batch(budget: Budget, value: Any, linecount: Any = 1, *_: Any, **__: Any) -> None:
+    if _is_int(linecount):
+        budget.check_count(linecount)
+
+
+def _filter_slice(budget: Budget, value: Any, slices: Any = 1, *_: Any, **__: Any) -> None:
+    if _is_int(slices) and slices > MAX_RANGE:
+        raise TemplateTimeout(f"chat template slice count is over the limit of {MAX_RANGE}")
+
+
+def _filter_sum(budget: Budget, value: Any, attribute: Any = None, start: Any = 0) -> None:
+    if isinstance(start, (list, tuple)) and isinstance(value, Sized):
+        total = len(start) + sum(len(v) for v in value if isinstance(v, Sized))
+        budget.check_count(total)
 
 
 FILTER_CHECKS: dict[str, Callable[..., None]] = {
     "indent": _filter_indent, "format": _filter_format, "replace": _filter_replace,
+    "join": _filter_join, "list": _filter_list, "tojson": _filter_tojson,
+    "string": _filter_stringify, "pprint": _filter_pprint, "center": _filter_stringify,
+    "truncate": _filter_stringify, "trim": _filter_stringify, "safe": _filter_stringify,
+    "upper": _filter_case, "lower": _filter_case, "capitalize": _filter_case,
+    "title": _filter_words, "striptags": _filter_words, "urlize": _filter_words,
+    "wordcount": _filter_words, "wordwrap": _filter_wordwrap, "escape": _filter_escape,
+    "e": _filter_escape, "forceescape": _filter_escape, "urlencode": _filter_urlencode,
+    "xmlattr": _filter_xmlattr, "batch": _filter_batch, "slice": _filter_slice,
+    "sum": _filter_sum,
 }
+SELECTING_FILTERS = frozenset({"attr", "d", "default", "first", "last", "max", "min", "random"})
+"""Filters that return (a part of) their input rather than build anything."""
+
+
+def check_lipsum(budget: Budget, n: Any = 5, html: Any = True, min: Any = 20,
+                 max: Any = 100) -> None:  # noqa: A002 - lipsum's own argument names
+    if _is_int(n) and _is_int(max):
+        budget.check_size(n * max * 16, "str")
 
 
 def _is_int(value: Any) -> bool:

@@ -19,11 +19,12 @@ from jinja2.ext import Extension, loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 from jinja2.visitor import NodeTransformer
 
-from lifeline.chat import guards
+from lifeline.chat import guards, sizes
 from lifeline.chat.errors import ChatError, TemplateTimeout
 from lifeline.chat.guards import RenderLimits
 
-_ITER, _EMIT, _SIZED = "_lifeline_iter", "_lifeline_emit", "_lifeline_sized"
+_ITER, _EMIT, _CONCAT = "_lifeline_iter", "_lifeline_emit", "_lifeline_concat"
+_SLICED = "_lifeline_sliced"
 
 
 class TemplateRaised(jinja2.TemplateError):
@@ -43,7 +44,8 @@ class _GenerationTag(Extension):
 
 
 class _Instrument(NodeTransformer):
-    """Routes loop iterables, outputs and `~` concatenations through the budget filters."""
+    """Routes loop iterables, outputs, `~` concatenations and slices through the budget
+    filters."""
 
     def visit_For(self, node: nodes.For) -> nodes.Node:
         self.generic_visit(node)
@@ -55,9 +57,13 @@ class _Instrument(NodeTransformer):
         node.nodes = [_wrap(child, _EMIT) for child in node.nodes]
         return node
 
+    def visit_Getitem(self, node: nodes.Getitem) -> nodes.Node:
+        self.generic_visit(node)
+        return _wrap(node, _SLICED) if isinstance(node.arg, nodes.Slice) else node
+
     def visit_Concat(self, node: nodes.Concat) -> nodes.Node:
         self.generic_visit(node)
-        return _wrap(node, _SIZED)
+        return _wrap(nodes.List(node.nodes, lineno=node.lineno), _CONCAT)
 
 
 def _wrap(node: nodes.Expr, name: str) -> nodes.Filter:
@@ -74,11 +80,24 @@ def _iterate(context: Any, iterable: Iterable[Any]) -> Iterator[Any]:
 
 @jinja2.pass_context
 def _emit(context: Any, value: Any) -> str:
-    return guards.current_budget().emit(value if isinstance(value, str) else str(value))
+    budget = guards.current_budget()
+    budget.check_str(value)
+    return budget.emit(value if isinstance(value, str) else str(value))
+
+
+@jinja2.pass_eval_context
+def _concat(eval_ctx: Any, values: list[Any]) -> str:
+    """`a ~ b ~ ...`, its length checked before it is built."""
+    budget = guards.current_budget()
+    budget.tick()
+    budget.check_size(sum(sizes.str_length(v, budget.check_deadline) for v in values))
+    join = jinja2.runtime.markup_join if eval_ctx.autoescape else jinja2.runtime.str_join
+    return budget.check_result(join(values), values)
 
 
 @jinja2.pass_context
-def _sized(context: Any, value: Any) -> Any:
+def _sliced(context: Any, value: Any) -> Any:
+    """A slice (Jinja writes `x[a:b]` as Python's own subscript): a copy, which counts."""
     budget = guards.current_budget()
     budget.tick()
     return budget.check_result(value)
@@ -87,17 +106,30 @@ def _sized(context: Any, value: Any) -> Any:
 def _guard_filter(name: str, func: Any) -> Any:
     offset = 2 if getattr(func, "jinja_pass_arg", None) is not None else 1
     precheck = guards.FILTER_CHECKS.get(name)
+    materialize = name in guards.MATERIALIZED_FILTERS
+    built = name not in guards.SELECTING_FILTERS
 
     @functools.wraps(func)
     def guarded(*args: Any, **kwargs: Any) -> Any:
         budget = guards.current_budget()
         budget.tick()
         budget.check_ints([*args[offset:], *kwargs.values()])
+        if materialize and len(args) >= offset:
+            args = (*args[:offset - 1], guards.materialize(budget, args[offset - 1]),
+                    *args[offset:])
         if precheck is not None:
             precheck(budget, *args[offset - 1:], **kwargs)
-        return budget.check_result(func(*args, **kwargs))
+        return budget.check_result(func(*args, **kwargs), args[offset - 1:offset], built)
 
     return guarded
+
+
+def _lipsum(*args: Any, **kwargs: Any) -> str:
+    budget = guards.current_budget()
+    budget.tick()
+    budget.check_ints([*args, *kwargs.values()])
+    guards.check_lipsum(budget, *args, **kwargs)
+    return budget.check_result(jinja2.utils.generate_lorem_ipsum(*args, **kwargs))
 
 
 def _raise_exception(message: str) -> None:
@@ -154,8 +186,10 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
                          extensions=[loopcontrols, _GenerationTag])
         self.filters["tojson"] = _tojson
         self.filters = {name: _guard_filter(name, f) for name, f in self.filters.items()}
-        self.filters.update({_ITER: _iterate, _EMIT: _emit, _SIZED: _sized})
+        self.filters.update({_ITER: _iterate, _EMIT: _emit, _CONCAT: _concat,
+                             _SLICED: _sliced})
         self.globals.update(range=guards.bounded_range, raise_exception=_raise_exception,
+                            lipsum=_lipsum,
                             strftime_now=_strftime_now, namespace=_Namespace, dict=_TemplateDict())
 
     def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
@@ -167,7 +201,8 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         budget = guards.current_budget()
         budget.tick()
         guards.check_binop(budget, operator, left, right)
-        return budget.check_result(super().call_binop(context, operator, left, right))
+        return budget.check_result(super().call_binop(context, operator, left, right),
+                                   (left, right))
 
     def call(self, context: Any, obj: Any, /, *args: Any, **kwargs: Any) -> Any:
         budget = guards.current_budget()
@@ -175,8 +210,13 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         target = getattr(obj, "__wrapped__", obj)
         owner = getattr(target, "__self__", None)
         if isinstance(owner, str):
-            guards.check_str_method(budget, owner, getattr(target, "__name__", ""), args, kwargs)
-        return budget.check_result(super().call(context, obj, *args, **kwargs))
+            name = getattr(target, "__name__", "")
+            if name in guards.MATERIALIZED_STR_ARGS and args:
+                args = (guards.materialize(budget, args[0]), *args[1:])
+            guards.check_str_method(budget, owner, name, args, kwargs)
+        result = super().call(context, obj, *args, **kwargs)
+        built = not isinstance(owner, (dict, list, tuple))
+        return budget.check_result(result, (owner, *args, *kwargs.values()), built)
 
 
 _ENV = BoundedSandbox()

@@ -6,8 +6,10 @@ Source order (`resolve_template`): the `--chat-template` file, the GGUF file's
 built-in template of the model's family."""
 from __future__ import annotations
 
+import functools
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -39,6 +41,9 @@ class ChatInputs:
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     kwargs: dict[str, Any] = field(default_factory=dict)
+    escaped: bool = False
+    """Whether special-token spellings in the strings are already placeholders
+    (`ChatTemplate.escaped`)."""
 
     @classmethod
     def from_request(cls, messages: Any, *, tools: Any = None, tool_choice: Any = None,
@@ -70,6 +75,9 @@ class ChatTemplate:
     limits: RenderLimits = field(default_factory=RenderLimits)
     tool_use_source: str | None = None
     """A second template for requests with tools (Hugging Face's named 'tool_use' template)."""
+    escape: Callable[[str], str] | None = None
+    """The tokenizer's `escape_specials`: applied to every request string before rendering, so
+    that text in messages never becomes a control token (see `encode_prompt`)."""
 
     def __post_init__(self) -> None:
         compile_template(self.source)
@@ -89,8 +97,19 @@ class ChatTemplate:
             chat_template_kwargs=chat_template_kwargs)
         return self.render_inputs(inputs, bos_token=bos_token, eos_token=eos_token)
 
+    def escaped(self, inputs: ChatInputs) -> ChatInputs:
+        """`inputs` with every string (keys too) passed through `escape`."""
+        if self.escape is None or inputs.escaped:
+            return inputs
+        esc = functools.partial(_escape_strings, self.escape)
+        return replace(inputs, messages=esc(inputs.messages), tools=esc(inputs.tools),
+                       tool_choice=esc(inputs.tool_choice), kwargs=esc(inputs.kwargs),
+                       escaped=True)
+
     def render_inputs(self, inputs: ChatInputs, *, bos_token: str | None = None,
                       eos_token: str | None = None) -> str:
+        """The prompt text, request strings escaped (see `escaped`)."""
+        inputs = self.escaped(inputs)
         messages = inputs.messages
         if inputs.continue_final_message:
             last = dict(messages[-1], content=messages[-1]["content"] + _CONTINUE_MARK)
@@ -115,6 +134,16 @@ class ChatTemplate:
         return text
 
 
+def _escape_strings(escape: Callable[[str], str], value: Any) -> Any:
+    if isinstance(value, str):
+        return escape(value)
+    if isinstance(value, dict):
+        return {_escape_strings(escape, k): _escape_strings(escape, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_escape_strings(escape, v) for v in value]
+    return value
+
+
 def special_token_texts(tokenizer: Tokenizer) -> dict[str, str]:
     """`bos_token` and `eos_token` as templates write them: `resolve_template(...,
     **special_token_texts(tokenizer))`."""
@@ -130,9 +159,17 @@ def resolve_template(*, template_file: str | os.PathLike[str] | None = None,
                      gguf_template: str | None = None,
                      hf_dir: str | os.PathLike[str] | None = None, family: str,
                      bos_token: str = "", eos_token: str = "",
-                     limits: RenderLimits | None = None) -> ChatTemplate:
-    """The server's template, from the first source that has one."""
-    limits = limits or RenderLimits()
+                     limits: RenderLimits | None = None,
+                     escape: Callable[[str], str] | None = None) -> ChatTemplate:
+    """The server's template, from the first source that has one; `escape` is the tokenizer's
+    `escape_specials`."""
+    return replace(_resolve(template_file, gguf_template, hf_dir, family, bos_token, eos_token,
+                            limits or RenderLimits()), escape=escape)
+
+
+def _resolve(template_file: str | os.PathLike[str] | None, gguf_template: str | None,
+             hf_dir: str | os.PathLike[str] | None, family: str, bos_token: str, eos_token: str,
+             limits: RenderLimits) -> ChatTemplate:
     if template_file is not None:
         source = Path(template_file).read_text(encoding="utf-8")
         return ChatTemplate(source, f"file:{template_file}", bos_token, eos_token, limits)

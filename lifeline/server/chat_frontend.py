@@ -14,8 +14,8 @@ from lifeline.chat import (
     ToolCallDelta,
     ToolCallParser,
     builtin_family,
+    encode_prompt,
     opens_reasoning,
-    prompt_add_special_tokens,
     resolve_template,
     template_for_request,
 )
@@ -29,7 +29,8 @@ TOOL_CALL_PARSERS = ("hermes",)
 
 @dataclass(slots=True)
 class RenderedPrompt:
-    """A chat request's prompt: its text, and what anatomy needs to be computed later."""
+    """A chat request's prompt: its text (request strings escaped, see `encode_prompt`), and
+    what anatomy needs to be computed later."""
     text: str
     template: ChatTemplate
     inputs: ChatInputs
@@ -104,7 +105,8 @@ class ChatFrontend:
             hf_dir=loaded.source if Path(loaded.source).is_dir() else None,
             family=builtin_family(loaded.config.architecture),
             bos_token=self._special_text("bos_token_id"),
-            eos_token=self._special_text("eos_token_id"))
+            eos_token=self._special_text("eos_token_id"),
+            escape=getattr(self.tokenizer, "escape_specials", None))
 
     def _special_text(self, name: str) -> str:
         token = getattr(self.tokenizer, name, None)
@@ -123,13 +125,13 @@ class ChatFrontend:
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
             chat_template_kwargs=body.chat_template_kwargs)
+        inputs = template.escaped(inputs)
         return RenderedPrompt(template.render_inputs(inputs), template, inputs)
 
     def encode(self, prompt: RenderedPrompt) -> list[int]:
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer, so it cannot serve chat")
-        return self.tokenizer.encode(prompt.text,
-                                     prompt_add_special_tokens(self.tokenizer, prompt.text))
+        return encode_prompt(self.tokenizer, prompt.text)
 
     def anatomy(self, prompt: RenderedPrompt, ids: list[int]) -> dict[str, int]:
         return anatomy_of_inputs(prompt.template, self.tokenizer, prompt.inputs, ids).as_dict()

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from lifeline.tokenizer.base import Tokenizer
-from lifeline.tokenizer.specials import SpecialSplitter
+from lifeline.tokenizer.specials import SpecialSplitter, has_placeholders, unescape
 from lifeline.tokenizer.spm import spm_merge
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -88,6 +88,8 @@ class GGUFTokenizer(Tokenizer):
                     if k in (UNKNOWN, CONTROL, USER_DEFINED)]
         self._split_all = SpecialSplitter(specials)
         self._split_user = SpecialSplitter((t, i) for t, i in specials if types[i] == USER_DEFINED)
+        self._split_control = SpecialSplitter((t, i) for t, i in specials
+                                              if types[i] != USER_DEFINED)
 
     @classmethod
     def from_gguf_reader(cls, reader: Any) -> GGUFTokenizer:
@@ -113,10 +115,29 @@ class GGUFTokenizer(Tokenizer):
                parse_special: bool = True) -> list[int]:
         """With `parse_special=False`, control tokens written in the text are tokenized as text;
         user-defined ones (e.g. '\\n', runs of spaces) are matched whole either way."""
-        ids = [self.bos_token_id] if add_special_tokens and self.add_bos else []
         splitter = self._split_all if parse_special else self._split_user
+        return self._encode_pieces(splitter.split(text), add_special_tokens)
+
+    def escape_specials(self, text: str) -> str:
+        """`text` (a request's string, before a template renders it) with the spelling of every
+        control token replaced by placeholders: see `encode_rendered`."""
+        return self._split_control.escape(text)
+
+    def encode_rendered(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A rendered chat prompt: special tokens where the template wrote them; the text between
+        them, placeholders mapped back, as text (`parse_special=False`). Without placeholders
+        this is `encode(text, add_special_tokens)`."""
+        if not has_placeholders(text):
+            return self.encode(text, add_special_tokens)
+        pieces: list[str | int] = []
+        for piece in self._split_all.split(text):
+            pieces += [piece] if isinstance(piece, int) else self._split_user.split(unescape(piece))
+        return self._encode_pieces(pieces, add_special_tokens)
+
+    def _encode_pieces(self, pieces: list[str | int], add_special_tokens: bool) -> list[int]:
+        ids = [self.bos_token_id] if add_special_tokens and self.add_bos else []
         prev_special = True
-        for piece in splitter.split(text):
+        for piece in pieces:
             if isinstance(piece, int):
                 ids.append(piece)
                 prev_special = True

@@ -8,10 +8,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from tokenizers import Encoding
 from tokenizers import Tokenizer as BackendTokenizer
 
 from lifeline.tokenizer.base import Tokenizer
 from lifeline.tokenizer.gguf_tokenizer import END_OF_TURN_TEXTS, SPACE
+from lifeline.tokenizer.specials import SpecialSplitter, has_placeholders, unescape
 
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
@@ -40,6 +42,10 @@ class HFTokenizer(Tokenizer):
         added = self._tk.get_added_tokens_decoder()
         self._added_ids = frozenset(added)
         self.special_token_ids = frozenset(i for i, t in added.items() if t.special)
+        self._split_special = SpecialSplitter((t.content, i) for i, t in added.items()
+                                              if t.special)
+        self._tk_text = BackendTokenizer.from_str(self._tk.to_str())
+        self._tk_text.encode_special_tokens = True
         turn_ids = [i for t in END_OF_TURN_TEXTS if (i := self._tk.token_to_id(t)) is not None]
         self.eos_token_ids = frozenset(eos_ids + turn_ids)
         self._byte_level = "ByteLevel" in json.dumps(json.loads(self._tk.to_str()).get("decoder"))
@@ -59,6 +65,28 @@ class HFTokenizer(Tokenizer):
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tk.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def escape_specials(self, text: str) -> str:
+        """`text` (a request's string, before a template renders it) with the spelling of every
+        special token replaced by placeholders: see `encode_rendered`."""
+        return self._split_special.escape(text)
+
+    def encode_rendered(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """A rendered chat prompt: special tokens where the template wrote them; the text between
+        them, placeholders mapped back, encoded with `encode_special_tokens` (specials as text).
+        Without placeholders this is `encode(text, add_special_tokens)`. (On this path an added
+        token's lstrip/rstrip is not applied.)"""
+        if not has_placeholders(text):
+            return self.encode(text, add_special_tokens)
+        parts = []
+        for piece in self._split_special.split(text):
+            if isinstance(piece, int):
+                parts.append(self._tk.encode(self._tk.id_to_token(piece),
+                                             add_special_tokens=False))
+            else:
+                parts.append(self._tk_text.encode(unescape(piece), add_special_tokens=False))
+        merged = Encoding.merge(parts, growing_offsets=True)
+        return self._tk.post_process(merged, None, add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self._tk.decode(list(ids), skip_special_tokens=skip_special_tokens)

@@ -48,6 +48,39 @@ class SpecialSplitter:
         # one length can overlap, so any tie-break gives the same result.
         return -len(text.encode()), self._ids[text]
 
+    def escape(self, text: str) -> str:
+        """`text` with every character that is part of a special token's spelling replaced by
+        its placeholder (same length), so that no special token can be found in it."""
+        spans = self._spans(text)
+        if not spans:
+            return text
+        out, pos = [], 0
+        for start, end in spans:
+            out += [text[pos:start], _placeholders(text[start:end])]
+            pos = end
+        out.append(text[pos:])
+        return "".join(out)
+
+    def _spans(self, text: str) -> list[tuple[int, int]]:
+        """Merged spans of every occurrence of a special, overlapping ones included."""
+        spans: list[tuple[int, int]] = []
+        if self._starts is None:
+            return spans
+        n = len(text)
+        for match in self._starts.finditer(text):
+            node, i, start, end = self._trie, match.start(), match.start(), -1
+            while i < n and (node := node.get(text[i])) is not None:
+                i += 1
+                if _END in node:
+                    end = i
+            if end < 0:
+                continue
+            if spans and start <= spans[-1][1]:
+                spans[-1] = (spans[-1][0], max(end, spans[-1][1]))
+            else:
+                spans.append((start, end))
+        return spans
+
     def split(self, text: str) -> list[str | int]:
         pieces: list[str | int] = [text] if text else []
         for special in sorted(self._occurring(text), key=self._order):
@@ -67,3 +100,33 @@ def _cut(pieces: list[str | int], special: str, token_id: int) -> list[str | int
             if part:
                 out.append(part)
     return out
+
+
+# --- special-token text inside request strings ------------------------------------------------
+#
+# A chat request's strings (message content, names, tool definitions, ...) may spell a special
+# token. Before a template renders them, every character covered by such a spelling is replaced
+# by a placeholder from Supplementary Private Use Area-B, one character for one, so the rendered
+# prompt shows specials only where the template wrote them. When the prompt is encoded, it is cut
+# at those specials first and each text piece is mapped back and encoded as plain text.
+
+PLACEHOLDER_OFFSET = 0x100000
+_LAST_MAPPED = 0xFFFD
+_PLACEHOLDERS = re.compile(f"[{chr(PLACEHOLDER_OFFSET)}-{chr(PLACEHOLDER_OFFSET + _LAST_MAPPED)}]")
+
+
+def has_placeholders(text: str) -> bool:
+    return _PLACEHOLDERS.search(text) is not None
+
+
+def unescape(text: str) -> str:
+    """The characters the placeholders stand for. (A request's own characters of that range come
+    back as the character they would stand for: a private-use character is no control token.)"""
+    if not has_placeholders(text):
+        return text
+    return _PLACEHOLDERS.sub(lambda m: chr(ord(m.group()) - PLACEHOLDER_OFFSET), text)
+
+
+def _placeholders(text: str) -> str:
+    return "".join(chr(PLACEHOLDER_OFFSET + ord(ch)) if ord(ch) <= _LAST_MAPPED else ch
+                   for ch in text)
