@@ -135,7 +135,10 @@ class LLMEngine:
         return self.scheduler.config.max_model_len
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, arrival: float | None = None) -> Request:
+                    request_id: str | None = None, arrival: float | None = None,
+                    cache_salt: str | None = None) -> Request:
+        """`cache_salt` (vLLM's): requests share prefix-cache blocks only if their salts are
+        equal (no salt and the empty salt are the same)."""
         params = params or SamplingParams()
         now = self.clock()
         order = next(self._counter)
@@ -145,7 +148,7 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         ids = self._tokenize(prompt)
         req = Request(request_id, ids, params, prompt=text, eos_token_ids=self.eos_token_ids,
-                      arrival_order=order)
+                      arrival_order=order, extra_hash_key=(cache_salt or "").encode())
         req.timeline.arrival = arrival if arrival is not None else now
         req.timeline.arrival_wall = time.time()
         req.timeline.tokenized = self.clock()
