@@ -37,6 +37,7 @@ class _Add:
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     accepted: asyncio.Future
+    cache_salt: str | None = None
 
 
 class AsyncEngine:
@@ -70,7 +71,8 @@ class AsyncEngine:
         return len(self._sinks)
 
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
-                       arrival: float) -> AsyncIterator[RequestOutput]:
+                       arrival: float, cache_salt: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yields one output per step that gave this request a token; the last is finished.
         Closing the iterator early (client gone) aborts the request and frees its blocks."""
         if self.error is not None:
@@ -78,7 +80,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         accepted = loop.create_future()
-        self._commands.put(_Add(prompt, params, request_id, arrival, sink, loop, accepted))
+        self._commands.put(_Add(prompt, params, request_id, arrival, sink, loop, accepted,
+                                cache_salt))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -136,7 +139,8 @@ class AsyncEngine:
 
     def _add(self, cmd: _Add) -> None:
         try:
-            self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.arrival)
+            self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.arrival,
+                                    cmd.cache_salt)
         except Exception as exc:  # noqa: BLE001 - validation errors go back to the caller
             cmd.loop.call_soon_threadsafe(_settle, cmd.accepted, exc)
             return

@@ -29,6 +29,7 @@ class Choice:
     started: bool = False
     state: object = None
     """Per-choice parser state the endpoint keeps (reasoning, tool calls)."""
+    cache_salt: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -141,7 +142,8 @@ class Generation:
     async def _pump(self, choice: Choice) -> None:
         try:
             async for out in self.aengine.generate(choice.prompt_ids, choice.params,
-                                                   choice.request_id, self.arrival):
+                                                   choice.request_id, self.arrival,
+                                                   choice.cache_salt):
                 if not choice.started:
                     choice.started = True
                     self.admission.started()
