@@ -2,6 +2,10 @@
 
     .venv/bin/python benchmarks/vs_llamacpp.py --llama-server PATH/TO/llama-server [--quick]
         [--model FILE.gguf] [--weights FORMAT] [--json out.json] [--only users16,single,...]
+    .venv/bin/python benchmarks/vs_llamacpp.py --lifeline-only --only prefix [--quick]
+
+`--lifeline-only` runs Lifeline's side alone (no llama.cpp binary needed; the ratio column is
+then empty).
 
 Installs nothing and imports nothing heavy at import time. It starts each server on loopback as
 a subprocess (llama.cpp: `llama-server -t 2 -np N -c C`, 2,048 tokens
@@ -168,6 +172,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         servers = [("llama.cpp", lambda s=spec: llama_server(args.llama_server, args.model,
                                                               s["np"], s["ctx"])),
                    ("lifeline", lambda: lifeline_server(args.model, args.weights))]
+        if args.lifeline_only:
+            servers = servers[1:]
         if name == "prefix":
             servers.append(("lifeline, no prefix cache", lambda: lifeline_server(
                 args.model, args.weights, ["--no-prefix-caching"])))
@@ -199,8 +205,8 @@ def table(rows: list[dict[str, Any]]) -> None:
         t.add_column(col, justify="right")
     for row in rows:
         figs = row["figures"]
-        (key,) = figs["llama.cpp"].keys()
-        theirs, ours = figs["llama.cpp"][key], figs["lifeline"][key]
+        (key,) = figs["lifeline"].keys()
+        theirs, ours = figs.get("llama.cpp", {}).get(key), figs["lifeline"][key]
         other = figs.get("lifeline, no prefix cache", {}).get(key)
         extra = (f"no prefix cache {other:,.0f} ({_ratio('prefix', ours, other)} better with)"
                  if other else "")
@@ -215,8 +221,10 @@ def _fmt(v: float | None) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--llama-server", type=Path, required=True,
+    parser.add_argument("--llama-server", type=Path, default=None,
                         help="llama.cpp's llama-server binary")
+    parser.add_argument("--lifeline-only", action="store_true",
+                        help="run only Lifeline's servers (no llama.cpp)")
     parser.add_argument("--model", type=Path, default=None,
                         help="GGUF file (default: the default model, Gemma 3 270M)")
     parser.add_argument("--weights", default=None,
@@ -225,6 +233,8 @@ def main() -> None:
     parser.add_argument("--only", type=lambda s: s.split(","), default=list(WORKLOADS))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.llama_server is None and not args.lifeline_only:
+        parser.error("--llama-server is required unless --lifeline-only")
     if args.model is None:
         sys.path.insert(0, str(ROOT))
         from lifeline.model.default import default_model_path
@@ -238,7 +248,8 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-            "llama_server": str(args.llama_server), "model": str(args.model),
+            "llama_server": None if args.lifeline_only else str(args.llama_server),
+            "model": str(args.model),
             "weights": args.weights or "lifeline serve default", "threads": THREADS, "quick": args.quick, "rows": rows},
             indent=1))
 

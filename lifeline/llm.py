@@ -51,7 +51,8 @@ class LLM:
         reqs = []
         try:
             for p, sp in zip(prompts, params):
-                reqs.append(self.engine.add_request(_prompt_input(p), sp))
+                reqs.append(self.engine.add_request(_prompt_input(p), sp,
+                                                    cache_salt=_cache_salt(p)))
         except Exception:
             for r in reqs:
                 self.engine.abort_request(r.request_id)
@@ -98,6 +99,14 @@ def _prompt_input(prompt: PromptType) -> str | list[int]:
     if "prompt" in prompt:
         return prompt["prompt"]
     raise ValueError("a prompt dict needs 'prompt_token_ids' or 'prompt'")
+
+
+def _cache_salt(prompt: PromptType) -> str | None:
+    """vLLM's `{"prompt": ..., "cache_salt": ...}`: only equal salts share prefix-cache blocks."""
+    salt = prompt.get("cache_salt") if isinstance(prompt, dict) else None
+    if salt is not None and (not isinstance(salt, str) or not salt):
+        raise ValueError("cache_salt must be a non-empty string")
+    return salt
 
 
 def _progress(show: bool):

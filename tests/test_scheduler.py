@@ -1,10 +1,12 @@
 """The scheduler and KV block manager on token counts alone: no model, no torch."""
+import hashlib
+import struct
 import subprocess
 import sys
 
 import pytest
 
-from lifeline.engine.block_manager import BlockManager
+from lifeline.engine.block_manager import ROOT_HASH, BlockManager, hash_block, hash_chain
 from lifeline.engine.request import FinishReason, Request, RequestStatus
 from lifeline.engine.sampling_params import SamplingParams
 from lifeline.engine.scheduler import Scheduler, SchedulerConfig
@@ -156,3 +158,60 @@ def test_prompt_larger_than_the_cache_is_refused():
     sched = Scheduler(SchedulerConfig(), BlockManager(2, 4))
     with pytest.raises(ValueError, match="KV blocks"):
         sched.add_request(make_request("big", list(range(20))))
+
+
+def _salted(rid: str, prompt: list[int], salt: bytes, max_tokens: int = 1) -> Request:
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, temperature=0),
+                   extra_hash_key=salt)
+
+
+def test_block_digest_is_sha256_of_the_chain():
+    """Pins the encoding: a prefix hit rests on SHA-256, never on Python's hash() of a tuple."""
+    first, second = list(range(100, 104)), [262_143, 0, 7, 2**31]
+    want = hashlib.sha256(ROOT_HASH + (3).to_bytes(8, "little") + b"abc"
+                          + struct.pack("<4I", *first)).digest()
+    assert hash_block(None, first, b"abc") == want
+    want2 = hashlib.sha256(want + struct.pack("<4I", *second)).digest()
+    assert hash_chain(None, first + second + [1, 2], 4, b"abc") == [want, want2]
+    assert hash_block(want, second) == want2
+
+
+def test_the_salt_is_length_prefixed_and_reaches_every_block():
+    tokens = list(range(12))
+    plain = hash_chain(None, tokens, 4)
+    salted = hash_chain(None, tokens, 4, b"tenant-a")
+    assert all(a != b for a, b in zip(plain, salted))
+    assert hash_chain(None, tokens, 4, b"tenant-a") == salted
+    # Moving bytes between salt and tokens never gives the same block.
+    assert hash_block(None, [1, 2], b"") != hash_block(None, [2], struct.pack("<I", 1))
+
+
+def test_hashes_computed_step_by_step_equal_the_whole_chain():
+    kv = BlockManager(64, 4)
+    sched = Scheduler(SchedulerConfig(max_num_batched_tokens=8), kv)
+    req = _salted("a", list(range(30, 45)), b"s", max_tokens=11)
+    sched.add_request(req)
+    while not req.is_finished:
+        run_step(sched, token=9)
+    assert req.block_hashes == hash_chain(None, req.all_token_ids[:24], 4, b"s")
+
+
+def test_different_salts_never_share_blocks_equal_salts_do():
+    kv = BlockManager(64, 4)
+    sched = Scheduler(SchedulerConfig(), kv)
+    prompt = list(range(50, 63))
+    first = _salted("a", prompt, b"tenant-a")
+    sched.add_request(first)
+    run_step(sched)
+    assert first.is_finished and first.num_cached_tokens == 0
+    for rid, salt in (("b", b"tenant-b"), ("c", b"")):
+        other = _salted(rid, prompt, salt)
+        sched.add_request(other)
+        run_step(sched)
+        assert other.num_cached_tokens == 0, f"salt {salt!r} read tenant-a's blocks"
+    assert len(kv.cached) == 3 * 3, "each salt registered its own three blocks"
+    again = _salted("d", prompt, b"tenant-a", max_tokens=4)
+    sched.add_request(again)
+    run_step(sched)
+    assert again.num_cached_tokens == 12
+    assert again.block_ids[:3] == kv.find_cached_prefix(_salted("e", prompt, b"tenant-a"))

@@ -13,6 +13,8 @@ long context stays constant (docs/architecture.md, "KV cache groups").
 """
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -27,11 +29,44 @@ NULL_BLOCK = -1
 class Block:
     block_id: int
     ref_cnt: int = 0
-    block_hash: int | None = None
+    block_hash: bytes | None = None
 
 
-def hash_block(parent_hash: int | None, token_ids: Sequence[int], extra_key: int = 0) -> int:
-    return hash((parent_hash, tuple(token_ids), extra_key))
+ROOT_HASH = hashlib.sha256(b"lifeline prefix cache, first block").digest()
+"""The parent of a request's first block."""
+
+
+def hash_chain(parent: bytes | None, token_ids: Sequence[int], block_size: int,
+               extra_key: bytes = b"") -> list[bytes]:
+    """SHA-256 digests of the full blocks of `token_ids`, each over its parent's digest and its
+    own token ids (little-endian uint32). A prefix-cache hit rests on them, so two different
+    chains of blocks must never share a digest, as they could with Python's `hash()`.
+
+    `parent` None: the first block is the request's first, and `extra_key` (its cache salt)
+    goes into it, length-prefixed, so every later block inherits it through the chain."""
+    count = len(token_ids) // block_size
+    if count == 0:
+        return []
+    data = struct.pack(f"<{count * block_size}I", *token_ids[:count * block_size])
+    width = 4 * block_size
+    digests = []
+    if parent is None:
+        head = hashlib.sha256(ROOT_HASH)
+        head.update(len(extra_key).to_bytes(8, "little"))
+        head.update(extra_key)
+        head.update(data[:width])
+        parent = head.digest()
+        digests.append(parent)
+    sha256 = hashlib.sha256
+    for start in range(width * len(digests), len(data), width):
+        parent = sha256(parent + data[start:start + width]).digest()
+        digests.append(parent)
+    return digests
+
+
+def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_key: bytes = b"") -> bytes:
+    """The digest of one block (see `hash_chain`)."""
+    return hash_chain(parent, token_ids, len(token_ids), extra_key)[0]
 
 
 @dataclass(slots=True)
@@ -63,7 +98,7 @@ class BlockManager:
         bounds the live blocks of a window group."""
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.cached: dict[int, int] = {}
+        self.cached: dict[bytes, int] = {}
         self.stats = PrefixCacheStats()
 
     @property
@@ -98,26 +133,25 @@ class BlockManager:
             return 0
         return max(0, (next_position - self.window + 1) // self.block_size)
 
-    def compute_hashes(self, req: Request, upto_tokens: int) -> list[int]:
+    def compute_hashes(self, req: Request, upto_tokens: int) -> list[bytes]:
         """Extend `req.block_hashes` to cover every full block among its first `upto_tokens`."""
         hashes = req.block_hashes
         bs = self.block_size
-        if (len(hashes) + 1) * bs > upto_tokens:
+        done, full = len(hashes), upto_tokens // bs
+        if full <= done:
             return hashes
-        tokens = req.all_token_ids
-        while (len(hashes) + 1) * bs <= upto_tokens:
-            i = len(hashes)
-            parent = hashes[-1] if hashes else None
-            hashes.append(hash_block(parent, tokens[i * bs:(i + 1) * bs], req.extra_hash_key))
+        tokens = _token_range(req, done * bs, full * bs)
+        hashes.extend(hash_chain(hashes[-1] if hashes else None, tokens, bs,
+                                 req.extra_hash_key))
         return hashes
 
-    def prefix_hashes(self, req: Request) -> list[int]:
+    def prefix_hashes(self, req: Request) -> list[bytes]:
         """Hashes of the blocks a prefix hit may cover: at least one prompt token is left to
         compute, so the step that finishes the prompt can produce logits."""
         max_blocks = (req.num_tokens - 1) // self.block_size
         return self.compute_hashes(req, max_blocks * self.block_size)[:max_blocks]
 
-    def valid_hits(self, hashes: Sequence[int]) -> list[bool]:
+    def valid_hits(self, hashes: Sequence[bytes]) -> list[bool]:
         """`valid[m]`: a hit of the first m blocks is usable, i.e. every block a query at
         position `m * block_size` reads is cached (m = 0 always is)."""
         valid = [True] + [False] * len(hashes)
@@ -130,7 +164,7 @@ class BlockManager:
             valid[m] = run >= m - self.first_live_block(m * self.block_size)
         return valid
 
-    def prefix_table(self, hashes: Sequence[int], m: int) -> list[int]:
+    def prefix_table(self, hashes: Sequence[bytes], m: int) -> list[int]:
         """The table entries of a valid hit of m blocks (`NULL_BLOCK` before the window)."""
         first = self.first_live_block(m * self.block_size)
         return [NULL_BLOCK] * first + [self.cached[h] for h in hashes[first:m]]
@@ -242,6 +276,14 @@ class BlockManager:
             if self.cached.get(block.block_hash) == block.block_id:
                 del self.cached[block.block_hash]
             block.block_hash = None
+
+
+def _token_range(req: Request, start: int, end: int) -> list[int]:
+    """`req.all_token_ids[start:end]` without copying the whole of a long prompt."""
+    prompt, n = req.prompt_token_ids, req.num_prompt_tokens
+    if end <= n:
+        return prompt[start:end]
+    return prompt[start:n] + req.output_token_ids[max(start - n, 0):end - n]
 
 
 class KVCacheManager:

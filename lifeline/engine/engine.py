@@ -180,9 +180,12 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival: float | None = None, *,
-                    deadline: float | None = None, fault: str | None = None) -> Request:
-        """`deadline` (engine clock): a request still running then ends with finish reason
-        'length', one with no token yet fails with `RequestError.TIMEOUT`."""
+                    cache_salt: str | None = None, deadline: float | None = None,
+                    fault: str | None = None) -> Request:
+        """`cache_salt` (vLLM's): requests share prefix-cache blocks only if their salts are
+        equal (no salt and the empty salt are the same). `deadline` (engine clock): a request
+        still running then ends with finish reason 'length', one with no token yet fails with
+        `RequestError.TIMEOUT`."""
         params = params or SamplingParams()
         now = self.clock()
         order = next(self._counter)
@@ -192,7 +195,8 @@ class LLMEngine:
         text = prompt if isinstance(prompt, str) else None
         ids = self._tokenize(prompt)
         req = Request(request_id, ids, params, prompt=text, eos_token_ids=self.eos_token_ids,
-                      arrival_order=order, deadline=deadline, fault=fault)
+                      arrival_order=order, extra_hash_key=(cache_salt or "").encode(),
+                      deadline=deadline, fault=fault)
         req.timeline.arrival = arrival if arrival is not None else now
         req.timeline.arrival_wall = time.time()
         req.timeline.tokenized = self.clock()

@@ -76,14 +76,15 @@ class Request:
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache at the first scheduling."""
     block_ids: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
     num_registered_blocks: int = 0
     """Leading blocks already offered to the prefix cache."""
     window_block_ids: list[int] = field(default_factory=list)
     """The block table of a hybrid model's sliding-window layers (see `KVCacheManager`)."""
     num_registered_window_blocks: int = 0
-    extra_hash_key: int = 0
-    """Mixed into the first block's hash (e.g. an image digest), so equal ids can differ."""
+    extra_hash_key: bytes = b""
+    """Mixed into the first block's hash (the cache salt), so equal ids can differ: requests
+    whose keys differ never share a prefix-cache block."""
     timeline: Timeline = field(default_factory=Timeline)
     generator: Any = None
     logprobs: list[Any] = field(default_factory=list)

@@ -53,11 +53,12 @@ class _Add:
     params: SamplingParams
     request_id: str
     arrival: float
-    deadline: float | None
-    fault: str | None
     sink: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     accepted: asyncio.Future
+    cache_salt: str | None = None
+    deadline: float | None = None
+    fault: str | None = None
 
 
 class AsyncEngine:
@@ -90,8 +91,9 @@ class AsyncEngine:
         return len(self._sinks)
 
     async def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
-                       arrival: float, deadline: float | None = None,
-                       fault: str | None = None) -> AsyncIterator[RequestOutput]:
+                       arrival: float, cache_salt: str | None = None,
+                       deadline: float | None = None, fault: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
         """Yields one output per step that gave this request a token; the last is finished.
         Closing the iterator early (client gone) aborts the request and frees its blocks.
         A request the engine ended without an answer raises its `APIError`
@@ -101,8 +103,8 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         accepted = loop.create_future()
-        self._commands.put(_Add(prompt, params, request_id, arrival, deadline, fault, sink, loop,
-                                accepted))
+        self._commands.put(_Add(prompt, params, request_id, arrival, sink, loop, accepted,
+                                cache_salt, deadline, fault))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -164,7 +166,8 @@ class AsyncEngine:
     def _add(self, cmd: _Add) -> None:
         try:
             self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.arrival,
-                                    deadline=cmd.deadline, fault=cmd.fault)
+                                    cache_salt=cmd.cache_salt, deadline=cmd.deadline,
+                                    fault=cmd.fault)
         except Exception as exc:  # noqa: BLE001 - validation errors go back to the caller
             cmd.loop.call_soon_threadsafe(_settle, cmd.accepted, exc)
             return

@@ -29,6 +29,7 @@ class Choice:
     started: bool = False
     state: object = None
     """Per-choice parser state the endpoint keeps (reasoning, tool calls)."""
+    cache_salt: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -146,7 +147,8 @@ class Generation:
         try:
             async for out in self.aengine.generate(choice.prompt_ids, choice.params,
                                                    choice.request_id, self.arrival,
-                                                   self.deadline, self.fault):
+                                                   choice.cache_salt, self.deadline,
+                                                   self.fault):
                 if not choice.started:
                     choice.started = True
                     self.admission.started()

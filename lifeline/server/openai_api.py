@@ -3,6 +3,8 @@ answer as one JSON body or as SSE chunks, and account the request."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
+from lifeline.engine.sampling_params import SamplingParams
 from lifeline.observe import ServerStamps
 from lifeline.server.errors import bad_request, parse_json, validation_error
 from lifeline.server.generation import Choice, Generation
@@ -22,6 +25,8 @@ from lifeline.server.streams import ChatStream, CompletionStream
 router = APIRouter()
 FAULT_HEADER = "x-lifeline-fault"
 """With `--enable-fault-injection`: 'step' makes the engine step that runs the request raise."""
+SEED_SPACE = 1 << 64
+"""A generator's seed is taken modulo this (torch's range)."""
 THREAD_THRESHOLD_CHARS = 4096
 """Prompts longer than this are templated and tokenized off the event loop."""
 
@@ -131,6 +136,7 @@ def _make_choices(job: Job) -> None:
         if bad is not None:
             raise bad_request(f"{name} names token {bad}, outside the vocabulary (size {vocab})",
                               name)
+    salt = _cache_salt(job)
     for p, ids in enumerate(job.prompts):
         room = limit - len(ids)
         max_tokens = min(wanted, room) if wanted else room
@@ -140,10 +146,29 @@ def _make_choices(job: Job) -> None:
             raise bad_request(str(exc)) from None
         for i in range(body.n):
             index = p * body.n + i
-            choice = Choice(index, f"{job.response_id}-{index}", ids, params)
+            choice = Choice(index, f"{job.response_id}-{index}", ids, _child_params(params, i),
+                            cache_salt=salt)
             if job.is_chat:
                 choice.state = state.chat.parser(body, job.rendered)
             job.choices.append(choice)
+
+
+def _child_params(params: SamplingParams, i: int) -> SamplingParams:
+    """The i-th of `n` choices of a seeded request draws from seed + i (as vLLM does), so the
+    choices differ yet each is the same from run to run."""
+    if i == 0 or params.seed is None:
+        return params
+    return dataclasses.replace(params, seed=(params.seed + i) % SEED_SPACE)
+
+
+def _cache_salt(job: Job) -> str | None:
+    """The request's prefix-cache salt; under `salt_cache_by_api_key` it always starts with a
+    digest of the caller's key, so no request of one tenant can share another's blocks."""
+    salt = job.body.cache_salt
+    if not job.state.config.salt_cache_by_api_key:
+        return salt
+    tenant = hashlib.sha256(job.key.encode()).hexdigest()
+    return f"tenant:{tenant}\n{salt or ''}"
 
 
 async def _respond(request: Request, job: Job, stream: ChatStream | CompletionStream) -> Any:

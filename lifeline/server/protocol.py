@@ -9,6 +9,8 @@ from lifeline.engine.sampling_params import SamplingParams
 from lifeline.server.errors import ParamError
 
 MAX_LOGPROBS = 20
+MAX_CACHE_SALT_CHARS = 1024
+"""Longest `cache_salt` accepted (it is hashed into the request's first KV block)."""
 
 
 class _Body(BaseModel):
@@ -42,6 +44,8 @@ class _SamplingBody(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    """vLLM's: only requests with the same salt share prefix-cache blocks."""
 
     @model_validator(mode="after")
     def _check_common(self) -> _SamplingBody:
