@@ -1,6 +1,7 @@
 """Everything a request handler needs, built once per server by `create_app`."""
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -19,6 +20,7 @@ from lifeline.server.gateway import Admission, Authenticator, RateLimiter
 from lifeline.server.responses import TokenText
 
 LoadedOrLoader = LoadedModel | Callable[[], LoadedModel]
+log = logging.getLogger("lifeline.server")
 
 
 def served_model_id(loaded: LoadedModel | None, config: ServerConfig) -> str:
@@ -59,6 +61,7 @@ class ServerState:
     created: int = field(default_factory=lambda: int(time.time()))
     generations: set = field(default_factory=set)
     """Generations running now (`lifeline.server.generation.Generation`)."""
+    engine_error_logged: bool = False
 
     @classmethod
     def build(cls, loaded: LoadedModel | None, config: ServerConfig) -> ServerState:
@@ -105,7 +108,12 @@ class ServerState:
         if self.aengine is None:
             raise APIError(503, "the model is not loaded yet", None, "loading", 1.0)
         if self.aengine.error is not None:
-            raise APIError(503, f"the engine stopped: {self.aengine.error!r}", None,
+            if not self.engine_error_logged:
+                self.engine_error_logged = True
+                error = self.aengine.error
+                log.error("the engine stopped", exc_info=(type(error), error,
+                                                          error.__traceback__))
+            raise APIError(503, "the engine stopped; the server log says why", None,
                            "engine_dead")
         return self.aengine
 
