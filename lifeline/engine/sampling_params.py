@@ -3,6 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+SEED_RANGE = (-(1 << 63), (1 << 63) - 1)
+"""A seed is a signed 64-bit integer (what the random generators take)."""
+
 
 @dataclass(slots=True)
 class SamplingParams:
@@ -27,7 +30,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = [s for s in self.stop if s]
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings may not be empty")
+        if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
+            raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -15,9 +16,12 @@ from lifeline.server.async_engine import AsyncEngine
 from lifeline.server.config import ServerConfig
 from lifeline.server.errors import APIError, bad_request, install_handlers
 from lifeline.server.middleware import GatewayMiddleware
-from lifeline.server.openai_api import parse_body, router
+from lifeline.server.openai_api import is_small, parse_body, router
 from lifeline.server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
 from lifeline.server.state import LoadedOrLoader, ServerState
+
+JSON_PIECE = 8192
+"""Token ids serialized by one `json.dumps` call in a `/tokenize` answer."""
 
 
 def create_app(loaded_model: LoadedOrLoader, config: ServerConfig | None = None) -> FastAPI:
@@ -100,7 +104,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         return _model_card(state)
 
     @app.post("/tokenize")
-    async def tokenize(request: Request) -> dict[str, Any]:
+    async def tokenize(request: Request) -> Response:
         state.require_engine()
         body: TokenizeRequest = await parse_body(request, TokenizeRequest)
         state.check_model(body.model)
@@ -109,6 +113,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                                          add_generation_prompt=body.add_generation_prompt,
                                          chat_template_kwargs=body.chat_template_kwargs)
             ids, anatomy = await run_in_threadpool(_tokenize_chat, state, chat)
+        elif state.loaded.tokenizer is None:
+            raise bad_request("this model has no tokenizer", "prompt")
         else:
             ids = await run_in_threadpool(state.loaded.tokenizer.encode, body.prompt,
                                           body.add_special_tokens)
@@ -116,19 +122,39 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         out = {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
         if anatomy is not None:
             out["prompt_anatomy"] = anatomy
-        return out
+        if len(ids) <= JSON_PIECE:
+            return JSONResponse(out)
+        return Response(await run_in_threadpool(_tokens_json, out),
+                        media_type="application/json")
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
         state.require_engine()
         body: DetokenizeRequest = await parse_body(request, DetokenizeRequest)
         state.check_model(body.model)
-        vocab = state.loaded.config.vocab_size
-        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is outside the vocabulary (size {vocab})",
-                              "tokens")
-        return {"prompt": state.loaded.tokenizer.decode(body.tokens)}
+        if state.loaded.tokenizer is None:
+            raise bad_request("this model has no tokenizer", "tokens")
+        if await is_small(request):
+            return {"prompt": _detokenize(state, body.tokens)}
+        return {"prompt": await run_in_threadpool(_detokenize, state, body.tokens)}
+
+
+def _tokens_json(out: dict[str, Any]) -> bytes:
+    """`out` as JSON, its token list dumped in pieces (in a worker thread): one `json.dumps`
+    of a long list would hold the GIL, and so stop the event loop, for as long as it runs."""
+    ids = out.pop("tokens")
+    pieces = [json.dumps(ids[i:i + JSON_PIECE])[1:-1] for i in range(0, len(ids), JSON_PIECE)]
+    return f'{json.dumps(out)[:-1]}, "tokens": [{",".join(pieces)}]}}'.encode()
+
+
+def _detokenize(state: ServerState, tokens: list[int]) -> str:
+    vocab = state.loaded.config.vocab_size
+    if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
+        bad = next(t for t in tokens if not 0 <= t < vocab)
+        text = str(bad)
+        raise bad_request(f"token id {text if len(text) <= 20 else text[:12] + '...'} is "
+                          f"outside the vocabulary (size {vocab})", "tokens")
+    return state.loaded.tokenizer.decode(tokens)
 
 
 def _tokenize_chat(state: ServerState, body: ChatCompletionRequest

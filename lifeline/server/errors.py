@@ -3,7 +3,10 @@ code}}` with the status a client can act on."""
 from __future__ import annotations
 
 import json
+import json.scanner
+import logging
 import math
+import uuid
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -11,6 +14,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger("lifeline.server")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error",
@@ -33,6 +38,15 @@ class APIError(Exception):
 
 def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param, "invalid_value")
+
+
+def internal_error(exc: BaseException, where: str) -> APIError:
+    """A 500 that tells the client only an error id; the exception goes to the server log under
+    that id (its text may hold paths, tensors or other internals)."""
+    error_id = f"err-{uuid.uuid4().hex[:16]}"
+    log.error("%s: %s failed", error_id, where, exc_info=(type(exc), exc, exc.__traceback__))
+    return APIError(500, f"internal server error (error id {error_id}; the server log has "
+                    "the details)", None, "internal_error")
 
 
 def error_body(status: int, message: str, param: str | None = None,
@@ -72,14 +86,27 @@ class ParamError(ValueError):
         self.param = param
 
 
-def parse_json(body: bytes, max_depth: int) -> dict[str, Any]:
-    """A JSON object, or a 400 that says why not (syntax, nesting, surrogates, not an object)."""
+_YIELDING = json.JSONDecoder()
+_YIELDING.scan_once = json.scanner.py_make_scanner(_YIELDING)
+"""The pure-Python scanner (strings still decoded in C): slower than `json.loads`, but it runs
+bytecode per value, so a worker thread that parses a large body lets the event loop run."""
+
+
+def parse_json(body: bytes, max_depth: int, yielding: bool = False) -> dict[str, Any]:
+    """A JSON object, or a 400 that says why not (syntax, nesting, surrogates, not an object).
+    `yielding` parses with the pure-Python scanner (for a worker thread)."""
     try:
-        value = json.loads(body)
+        if yielding:
+            value = _YIELDING.decode(body.decode(json.detect_encoding(body), "surrogatepass"))
+        else:
+            value = json.loads(body)
     except RecursionError:
         raise bad_request("the JSON body is nested too deeply") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise APIError(400, f"the body is not valid JSON: {exc}", None, "invalid_json") from None
+    except ValueError:  # e.g. an integer literal past Python's digit limit
+        raise APIError(400, "the body is not valid JSON: a number is too long", None,
+                       "invalid_json") from None
     if not isinstance(value, dict):
         raise bad_request("the body must be a JSON object")
     _check_tree(value, max_depth)
@@ -133,4 +160,4 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}")
+        return internal_error(exc, f"{request.method} {request.url.path}").response()

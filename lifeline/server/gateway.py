@@ -76,8 +76,10 @@ class _Window:
 
 class RateLimiter:
     """Per-key sliding one-minute windows for requests and tokens. A request is admitted when its
-    prompt tokens fit in the window; its completion tokens are charged when it finishes, so a
-    key that generated a lot waits longer for its next admission."""
+    prompt tokens (times `n`) fit in the window; its completion tokens are charged when it
+    ends (finished, aborted or failed: what it generated), so a key that generated a lot waits
+    longer for its next admission. A request whose prompt tokens alone exceed the limit could
+    never be admitted: it gets 400, not a 429 to retry forever."""
 
     def __init__(self, rpm: int | None, tpm: int | None, clock=time.monotonic):
         self.rpm, self.tpm = rpm, tpm
@@ -100,9 +102,14 @@ class RateLimiter:
                            None, "rate_limit_exceeded", wait)
         window.add(1, now)
 
-    def admit_tokens(self, key: str, tokens: int) -> None:
+    def admit_tokens(self, key: str, tokens: int, param: str | None = None) -> None:
+        """Charge the prompt tokens of a request (`param` names its prompt field)."""
         if self.tpm is None:
             return
+        if tokens > self.tpm:
+            raise APIError(400, f"this request needs {tokens} tokens (prompt tokens times n), "
+                           f"more than the limit of {self.tpm} tokens per minute; send a "
+                           "shorter prompt or a smaller n", param, "request_too_large")
         now = self.clock()
         window = self._tokens.setdefault(key, _Window())
         wait = window.wait_for(tokens, self.tpm, now)
@@ -137,9 +144,15 @@ class Admission:
         if self.loading:
             raise APIError(503, "the model is still loading", None, "loading", self.retry_after)
 
-    def enter(self, count: int) -> None:
+    def enter(self, count: int, param: str | None = None) -> None:
+        """Admit `count` engine requests (prompts times n) together, or none: 503 while the
+        queue has no room for all of them, 400 when it never could (`param` names the field)."""
         self.check_open()
-        if self.limit is not None and self.waiting >= self.limit:
+        if self.limit is not None and count > self.limit:
+            raise APIError(400, f"this request asks for {count} generations (prompts times n), "
+                           f"more than the server queues at once ({self.limit})", param,
+                           "too_many_choices")
+        if self.limit is not None and self.waiting + count > self.limit:
             raise APIError(503, f"the waiting queue is full ({self.waiting} requests wait; "
                            f"limit {self.limit})", None, "queue_full", self.retry_after)
         self.waiting += count

@@ -77,15 +77,13 @@ class Generation:
 
     def start(self) -> None:
         """Admit every choice (503 when the waiting queue is full) and hand them to the engine."""
-        self.admission.enter(len(self.choices))
-        leaders: list[Choice] = []
+        self.admission.enter(len(self.choices), "n")
+        leaders: dict[int, Choice] = {}  # by the identity of the prompt's id list
         for choice in self.choices:
-            leader = next((c for c in leaders if c.prompt_ids is choice.prompt_ids), None)
-            if leader is None:
-                leaders.append(choice)
-            else:
+            leader = leaders.setdefault(id(choice.prompt_ids), choice)
+            if leader is not choice:
                 self._held.setdefault(leader.index, []).append(choice)
-        for leader in leaders:
+        for leader in leaders.values():
             self._launch(leader)
         self.registry.add(self)
 

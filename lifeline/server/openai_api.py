@@ -15,9 +15,10 @@ from starlette.concurrency import run_in_threadpool
 
 from lifeline.engine.sampling_params import SamplingParams
 from lifeline.observe import ServerStamps
-from lifeline.server.errors import bad_request, parse_json, validation_error
+from lifeline.server.errors import APIError, bad_request, parse_json, validation_error
 from lifeline.server.generation import Choice, Generation
 from lifeline.server.job import Job, as_api_error
+from lifeline.server.limits import INLINE_BODY_BYTES, INLINE_JSON_COMMAS
 from lifeline.server.protocol import ChatCompletionRequest, CompletionRequest
 from lifeline.server.state import ServerState, new_id
 from lifeline.server.streams import ChatStream, CompletionStream
@@ -27,8 +28,6 @@ FAULT_HEADER = "x-lifeline-fault"
 """With `--enable-fault-injection`: 'step' makes the engine step that runs the request raise."""
 SEED_SPACE = 1 << 64
 """A generator's seed is taken modulo this (torch's range)."""
-THREAD_THRESHOLD_CHARS = 4096
-"""Prompts longer than this are templated and tokenized off the event loop."""
 
 
 @router.post("/v1/chat/completions")
@@ -44,12 +43,27 @@ async def completions(request: Request) -> Any:
 
 
 async def parse_body(request: Request, model: type[BaseModel]) -> Any:
+    """The validated body. A body of many JSON values is parsed and validated in a worker
+    thread by the yielding parser: the C parser holds the GIL for as long as it runs."""
     state: ServerState = request.app.state.lifeline
-    data = parse_json(await request.body(), state.config.max_json_depth)
+    raw = await request.body()
+    depth = state.config.max_json_depth
+    if raw.count(b",") <= INLINE_JSON_COMMAS:
+        return _validated(model, parse_json(raw, depth))
+    return await run_in_threadpool(lambda: _validated(model, parse_json(raw, depth, True)))
+
+
+def _validated(model: type[BaseModel], data: dict[str, Any]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         raise validation_error(exc) from None
+
+
+async def is_small(request: Request) -> bool:
+    """Whether the request's body is small enough that the work it asks for before the engine
+    (templating, tokenizing, checking) may run on the event loop."""
+    return len(await request.body()) <= INLINE_BODY_BYTES
 
 
 async def _prepare(request: Request, model: type[BaseModel], endpoint: str) -> Job:
@@ -64,48 +78,50 @@ async def _prepare(request: Request, model: type[BaseModel], endpoint: str) -> J
     state.limiter.admit_request(request.state.key)
     job = Job(state, stamps, request.state.key, endpoint, body,
               new_id("chatcmpl" if model is ChatCompletionRequest else "cmpl"))
-    if job.is_chat:
-        offload = body.chat_template is not None or _chat_size(body) > THREAD_THRESHOLD_CHARS
-        job.rendered = await _off_loop(state.chat.render, body, offload)
-        stamps.mark("templated")
-        offload = len(job.rendered.text) > THREAD_THRESHOLD_CHARS
-        job.prompts = [await _off_loop(state.chat.encode, job.rendered, offload)]
-        stamps.mark("tokenized")
-    else:
-        stamps.templated = stamps.parsed
-        job.prompts = [await _tokenize(state, p) for p in body.prompts]
-        stamps.mark("tokenized")
-    _check_prompts(state, job.prompts, "messages" if job.is_chat else "prompt")
-    state.limiter.admit_tokens(job.key, job.prompt_tokens * body.n)
+    offload = not await is_small(request) or (job.is_chat and body.chat_template is not None)
+    await _off_loop(_encode, offload, state, job)
+    state.limiter.admit_tokens(job.key, job.prompt_tokens * body.n,
+                               "messages" if job.is_chat else "prompt")
     _make_choices(job)
     return job
 
 
-async def _off_loop(fn: Callable[..., Any], arg: Any, offload: bool) -> Any:
+async def _off_loop(fn: Callable[..., Any], offload: bool, *args: Any) -> Any:
+    """`fn(*args)` in a worker thread when `offload`, else here (its cost is then bounded by
+    `INLINE_BODY_BYTES`); a ValueError or TypeError it raises (the template's, the
+    tokenizer's, ours) is the request's fault: a 400."""
     try:
         if offload:
-            return await run_in_threadpool(fn, arg)
-        return fn(arg)
+            return await run_in_threadpool(fn, *args)
+        return fn(*args)
+    except APIError:
+        raise
     except (ValueError, TypeError) as exc:
         raise bad_request(str(exc), getattr(exc, "param", None)) from None
 
 
-def _chat_size(body: ChatCompletionRequest) -> int:
-    size = 0
-    for m in body.messages:
-        size += len(m.content) if isinstance(m.content, str) else len(str(m.content))
-    return size + len(str(body.tools or ""))
+def _encode(state: ServerState, job: Job) -> None:
+    """Template, tokenize and check the prompts of `job` (on the loop or in a worker)."""
+    body, stamps = job.body, job.stamps
+    if job.is_chat:
+        job.rendered = state.chat.render(body)
+        stamps.mark("templated")
+        job.prompts = [state.chat.encode(job.rendered)]
+    else:
+        stamps.templated = stamps.parsed
+        job.prompts = [_tokenize(state, p) for p in body.prompts]
+    stamps.mark("tokenized")
+    _check_prompts(state, job.prompts, "messages" if job.is_chat else "prompt")
 
 
-async def _tokenize(state: ServerState, prompt: str | list[int]) -> list[int]:
+def _tokenize(state: ServerState, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, list):
-        return [int(t) for t in prompt]
+        return list(prompt)
     if not prompt:
         raise bad_request("the prompt is empty", "prompt")
     if state.loaded.tokenizer is None:
         raise bad_request("this model has no tokenizer: send token ids", "prompt")
-    return await _off_loop(state.loaded.tokenizer.encode, prompt,
-                           len(prompt) > THREAD_THRESHOLD_CHARS)
+    return state.loaded.tokenizer.encode(prompt)
 
 
 def _check_prompts(state: ServerState, prompts: list[list[int]], param: str) -> None:
@@ -114,13 +130,18 @@ def _check_prompts(state: ServerState, prompts: list[list[int]], param: str) -> 
     for ids in prompts:
         if not ids:
             raise bad_request("the prompt is empty", "prompt")
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise bad_request(f"token id {bad} is outside the vocabulary (size {vocab})",
-                              param)
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise bad_request(f"token id {_short(bad)} is outside the vocabulary (size "
+                              f"{vocab})", param)
         if len(ids) >= limit:
             raise bad_request(f"the prompt has {len(ids)} tokens; this model's context is "
                               f"{limit} tokens and needs room for at least one more", param)
+
+
+def _short(value: int) -> str:
+    text = str(value)
+    return text if len(text) <= 20 else f"{text[:12]}..."
 
 
 def _make_choices(job: Job) -> None:
@@ -134,8 +155,8 @@ def _make_choices(job: Job) -> None:
                       ("stop_token_ids", body.stop_token_ids or [])):
         bad = next((t for t in ids if not 0 <= int(t) < vocab), None)
         if bad is not None:
-            raise bad_request(f"{name} names token {bad}, outside the vocabulary (size {vocab})",
-                              name)
+            raise bad_request(f"{name} names token {_short(int(bad))}, outside the vocabulary "
+                              f"(size {vocab})", name)
     salt = _cache_salt(job)
     for p, ids in enumerate(job.prompts):
         room = limit - len(ids)

@@ -1,16 +1,75 @@
 """The OpenAI request bodies Lifeline accepts, and their mapping to `SamplingParams`."""
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    ValidatorFunctionWrapHandler,
+    field_validator,
+    model_validator,
+)
 
 from lifeline.engine.sampling_params import SamplingParams
 from lifeline.server.errors import ParamError
+from lifeline.server.limits import (
+    MAX_CHOICES,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_MESSAGES,
+    MAX_PROMPT_CHARS,
+    MAX_PROMPT_TOKEN_IDS,
+    MAX_PROMPTS,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOOLS,
+    MAX_TOOLS_CHARS,
+    SEED_MAX,
+    SEED_MIN,
+)
 
-MAX_LOGPROBS = 20
 MAX_CACHE_SALT_CHARS = 1024
 """Longest `cache_salt` accepted (it is hashed into the request's first KV block)."""
+_TOKEN_ID = re.compile(r"[0-9]{1,9}", re.ASCII)
+"""A `logit_bias` key: a plain decimal token id (no sign, exponent, spaces or other digits)."""
+_CAPS = {"logit_bias": (MAX_LOGIT_BIAS, "entries"), "stop": (MAX_STOP, "strings"),
+         "stop_token_ids": (MAX_STOP_TOKEN_IDS, "token ids"),
+         "messages": (MAX_MESSAGES, "messages"), "tools": (MAX_TOOLS, "tools"),
+         "tokens": (MAX_PROMPT_TOKEN_IDS, "token ids")}
+
+
+def _capped(value: Any, name: str) -> Any:
+    """Refuse an over-long list or dict before pydantic validates each of its items."""
+    cap, what = _CAPS[name]
+    if isinstance(value, (list, dict)) and len(value) > cap:
+        raise ParamError(f"at most {cap} {what} allowed, got {len(value)}", name)
+    return value
+
+
+def _check_tools_size(tools: list[dict[str, Any]] | None) -> None:
+    if tools and _json_size(tools, MAX_TOOLS_CHARS) > MAX_TOOLS_CHARS:
+        raise ParamError(f"tools may be at most {MAX_TOOLS_CHARS} characters in all", "tools")
+
+
+def _json_size(value: Any, budget: int) -> int:
+    """Characters of every string in `value` plus one per value; stops once past `budget`."""
+    size, stack = 0, [value]
+    while stack and size <= budget:
+        node = stack.pop()
+        size += 1
+        if isinstance(node, str):
+            size += len(node)
+        elif isinstance(node, dict):
+            size += sum(len(k) for k in node)
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+    return size
 
 
 class _Body(BaseModel):
@@ -24,7 +83,7 @@ class StreamOptions(_Body):
 
 class _SamplingBody(_Body):
     model: str | None = None
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
     stream: bool = False
     stream_options: StreamOptions | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -35,7 +94,7 @@ class _SamplingBody(_Body):
     presence_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     frequency_penalty: float = Field(0.0, ge=-2, le=2, allow_inf_nan=False)
     repetition_penalty: float = Field(1.0, gt=0, le=10, allow_inf_nan=False)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=SEED_MIN, le=SEED_MAX)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
@@ -51,11 +110,29 @@ class _SamplingBody(_Body):
     def _check_common(self) -> _SamplingBody:
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options is only allowed when stream is true", "stream_options")
-        if isinstance(self.stop, list) and len(self.stop) > 16:
-            raise ParamError("stop may hold at most 16 strings", "stop")
+        return self
+
+    @field_validator("logit_bias", "stop", "stop_token_ids", mode="before")
+    @classmethod
+    def _cap_sampling_lists(cls, value: Any, info: ValidationInfo) -> Any:
+        return _capped(value, info.field_name)
+
+    @model_validator(mode="after")
+    def _check_stop(self) -> _SamplingBody:
+        for s in [self.stop] if isinstance(self.stop, str) else self.stop or []:
+            if not s:
+                raise ParamError("stop strings may not be empty", "stop")
+            if len(s) > MAX_STOP_CHARS:
+                raise ParamError(f"each stop string may be at most {MAX_STOP_CHARS} "
+                                 f"characters, got {len(s)}", "stop")
+        return self
+
+    @model_validator(mode="after")
+    def _check_logit_bias(self) -> _SamplingBody:
         for key, value in (self.logit_bias or {}).items():
-            if not key.lstrip("-").isdigit():
-                raise ParamError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            if not _TOKEN_ID.fullmatch(key):
+                raise ParamError(f"logit_bias keys must be token ids, got {key[:32]!r}",
+                                 "logit_bias")
             if not -100 <= value <= 100:
                 raise ParamError(f"logit_bias values must be in [-100, 100], got {value}",
                                  "logit_bias")
@@ -103,6 +180,16 @@ class ChatCompletionRequest(_SamplingBody):
     continue_final_message: bool = False
     reasoning_effort: str | None = None
 
+    @field_validator("messages", "tools", mode="before")
+    @classmethod
+    def _cap_chat_lists(cls, value: Any, info: ValidationInfo) -> Any:
+        return _capped(value, info.field_name)
+
+    @model_validator(mode="after")
+    def _check_tools_chars(self) -> ChatCompletionRequest:
+        _check_tools_size(self.tools)
+        return self
+
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.tool_choice not in (None, "none") and not self.tools:
@@ -146,14 +233,68 @@ class CompletionRequest(_SamplingBody):
             raise ParamError("echo is not supported", "echo")
         return self
 
+    @field_validator("prompt", mode="wrap")
+    @classmethod
+    def _prompt_shape(cls, value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        """Checked here, not by pydantic's union, whose cost on a long list is many times a
+        plain scan's (it tries each branch and collects an error per item)."""
+        return _check_prompt_shape(value)
+
+    @model_validator(mode="after")
+    def _check_choices(self) -> CompletionRequest:
+        count = len(self.prompts)
+        if count * self.n > MAX_CHOICES:
+            raise ParamError(f"{count} prompts times n={self.n} is {count * self.n} choices; "
+                             f"at most {MAX_CHOICES} are allowed", "n")
+        return self
+
     @property
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
         if isinstance(p, str):
             return [p]
-        if all(isinstance(x, int) for x in p):
-            return [list(p)]
+        if isinstance(p[0], int):
+            return [p]
         return list(p)
+
+
+_PROMPT_SHAPES = ("must be a string, a list of strings, a list of token ids or a list "
+                  "of token-id lists")
+
+
+def _check_prompt_shape(value: Any) -> Any:
+    if isinstance(value, str):
+        _check_prompt_total(len(value), MAX_PROMPT_CHARS, "characters")
+        return value
+    if not isinstance(value, list):
+        raise ParamError(_PROMPT_SHAPES, "prompt")
+    if not value:
+        raise ParamError("may not be an empty list", "prompt")
+    first = value[0]
+    if _is_id(first):
+        _check_prompt_total(len(value), MAX_PROMPT_TOKEN_IDS, "token ids")
+        if not all(_is_id(t) for t in value):
+            raise ParamError(_PROMPT_SHAPES, "prompt")
+        return value
+    if len(value) > MAX_PROMPTS:
+        raise ParamError(f"at most {MAX_PROMPTS} prompts allowed, got {len(value)}", "prompt")
+    if isinstance(first, str) and all(isinstance(p, str) for p in value):
+        _check_prompt_total(sum(len(p) for p in value), MAX_PROMPT_CHARS, "characters")
+        return value
+    if isinstance(first, list) and all(isinstance(p, list) for p in value):
+        _check_prompt_total(sum(len(p) for p in value), MAX_PROMPT_TOKEN_IDS, "token ids")
+        if all(_is_id(t) for p in value for t in p):
+            return value
+    raise ParamError(_PROMPT_SHAPES, "prompt")
+
+
+def _is_id(value: Any) -> bool:
+    return type(value) is int
+
+
+def _check_prompt_total(size: int, cap: int, what: str) -> None:
+    if size > cap:
+        raise ParamError(f"at most {cap} {what} allowed in all, got {size}", "prompt")
 
 
 class TokenizeRequest(_Body):
@@ -171,7 +312,25 @@ class TokenizeRequest(_Body):
             raise ParamError("give exactly one of prompt and messages", "prompt")
         return self
 
+    @field_validator("messages", "tools", mode="before")
+    @classmethod
+    def _cap_lists(cls, value: Any, info: ValidationInfo) -> Any:
+        return _capped(value, info.field_name)
+
+    @model_validator(mode="after")
+    def _check_sizes(self) -> TokenizeRequest:
+        if self.prompt is not None and len(self.prompt) > MAX_PROMPT_CHARS:
+            raise ParamError(f"the prompt may be at most {MAX_PROMPT_CHARS} characters, got "
+                             f"{len(self.prompt)}", "prompt")
+        _check_tools_size(self.tools)
+        return self
+
 
 class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _cap_tokens(cls, value: Any) -> Any:
+        return _capped(value, "tokens")

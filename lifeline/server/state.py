@@ -65,6 +65,7 @@ class ServerState:
     """Why the model could not be loaded (the server then stops)."""
     on_fatal: Callable[[], None] | None = None
     """Called once the server cannot serve at all (`lifeline serve` exits non-zero)."""
+    engine_error_logged: bool = False
 
     @classmethod
     def build(cls, loaded: LoadedModel | None, config: ServerConfig) -> ServerState:
@@ -133,7 +134,12 @@ class ServerState:
         if self.aengine is None:
             raise APIError(503, "the model is not loaded yet", None, "loading", 1.0)
         if self.aengine.error is not None:
-            raise APIError(503, f"the engine stopped: {self.aengine.error!r}", None,
+            if not self.engine_error_logged:
+                self.engine_error_logged = True
+                error = self.aengine.error
+                log.error("the engine stopped", exc_info=(type(error), error,
+                                                          error.__traceback__))
+            raise APIError(503, "the engine stopped; the server log says why", None,
                            "engine_dead")
         return self.aengine
 
