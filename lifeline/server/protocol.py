@@ -1,6 +1,7 @@
 """The OpenAI request bodies Lifeline accepts, and their mapping to `SamplingParams`."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -42,6 +43,7 @@ class _SamplingBody(_Body):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     user: str | None = None
+    response_format: Any = None
 
     @model_validator(mode="after")
     def _check_common(self) -> _SamplingBody:
@@ -55,6 +57,14 @@ class _SamplingBody(_Body):
             if not -100 <= value <= 100:
                 raise ParamError(f"logit_bias values must be in [-100, 100], got {value}",
                                  "logit_bias")
+        return self
+
+    @model_validator(mode="after")
+    def _check_response_format(self) -> _SamplingBody:
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            raise ParamError("response_format: only {'type': 'text'} is supported; this server "
+                             "has no constrained decoding (json_object, json_schema)",
+                             "response_format")
         return self
 
     @property
@@ -138,9 +148,13 @@ class CompletionRequest(_SamplingBody):
             raise ParamError("prompt may not be an empty list", "prompt")
         if self.suffix:
             raise ParamError("suffix is not supported", "suffix")
-        if self.echo:
-            raise ParamError("echo is not supported", "echo")
         return self
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs)
+        if self.echo and logprobs is not None:
+            return replace(params, prompt_logprobs=logprobs)
+        return params
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -158,6 +172,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -165,6 +180,14 @@ class TokenizeRequest(_Body):
     def _one_input(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise ParamError("give exactly one of prompt and messages", "prompt")
+        return self
+
+    @model_validator(mode="after")
+    def _chat_options(self) -> TokenizeRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ParamError("continue_final_message and add_generation_prompt exclude each "
+                             "other; set add_generation_prompt to false",
+                             "continue_final_message")
         return self
 
 
