@@ -12,7 +12,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 
 from lifeline.observe import ServerStamps
-from lifeline.server.errors import bad_request, parse_json, validation_error
+from lifeline.server.errors import APIError, bad_request, parse_json, validation_error
 from lifeline.server.generation import Choice, Generation
 from lifeline.server.job import Job, as_api_error
 from lifeline.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -69,6 +69,7 @@ async def _prepare(request: Request, model: type[BaseModel], endpoint: str) -> J
         job.prompts = [await _tokenize(state, p) for p in body.prompts]
         stamps.mark("tokenized")
     _check_prompts(state, job.prompts, "messages" if job.is_chat else "prompt")
+    _check_room(state, body, job.prompts, "messages" if job.is_chat else "prompt")
     state.limiter.admit_tokens(job.key, job.prompt_tokens * body.n)
     _make_choices(job)
     return job
@@ -112,8 +113,24 @@ def _check_prompts(state: ServerState, prompts: list[list[int]], param: str) -> 
             raise bad_request(f"token id {bad} is outside the vocabulary (size {vocab})",
                               param)
         if len(ids) >= limit:
-            raise bad_request(f"the prompt has {len(ids)} tokens; this model's context is "
-                              f"{limit} tokens and needs room for at least one more", param)
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context is "
+                           f"{limit} tokens and needs room for at least one more", param,
+                           "context_length_exceeded")
+
+
+def _check_room(state: ServerState, body: Any, prompts: list[list[int]], param: str) -> None:
+    """An explicit max_tokens that does not fit after the prompt is refused, as OpenAI and vLLM
+    do (a default one is clamped to the room left)."""
+    sent = body.model_fields_set & {"max_tokens", "max_completion_tokens"}
+    wanted = (body.requested_max_tokens if isinstance(body, ChatCompletionRequest)
+              else body.max_tokens) if sent else None
+    limit = state.engine.max_model_len
+    longest = max(len(ids) for ids in prompts)
+    if wanted is not None and longest + wanted > limit:
+        raise APIError(400, f"this model's context is {limit} tokens, but {longest + wanted} "
+                       f"were asked for ({longest} in the {param}, {wanted} in the completion); "
+                       "shorten the prompt or lower max_tokens", param,
+                       "context_length_exceeded")
 
 
 def _make_choices(job: Job) -> None:
