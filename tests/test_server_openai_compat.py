@@ -3,6 +3,7 @@ legacy logprobs (the sampled token among the top), `echo` with prompt logprobs, 
 chat options, continuous usage in streams, `context_length_exceeded`, CORS, and a bounded
 schemathesis run over the served OpenAPI schema. A real server on loopback, the official
 `openai` client, raw `httpx` where the client would not send the request."""
+import contextlib
 import copy
 import json
 
@@ -26,6 +27,7 @@ GOOD = "http://good.example"
 BAD = "http://evil.example"
 KEY = "sk-compat"
 SMALL_CONTEXT = 128
+START_TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +37,7 @@ def loaded():
 
 @pytest.fixture(scope="module")
 def server(loaded):
-    with ServerThread(loaded, ServerConfig(engine=EngineConfig(kv_cache_memory_bytes=KV))) as srv:
+    with _serve(loaded, ServerConfig(engine=EngineConfig(kv_cache_memory_bytes=KV))) as srv:
         yield srv
 
 
@@ -56,7 +58,7 @@ def small_server(loaded):
     """A context of SMALL_CONTEXT tokens: prompts that reach it are cheap to send and serve."""
     config = ServerConfig(engine=EngineConfig(kv_cache_memory_bytes=64 << 20,
                                               max_model_len=SMALL_CONTEXT))
-    with ServerThread(loaded, config) as srv:
+    with _serve(loaded, config) as srv:
         yield srv
 
 
@@ -69,6 +71,16 @@ def small(small_server):
 @pytest.fixture(scope="module")
 def offline(loaded):
     return LLM(loaded, kv_cache_memory_bytes=64 << 20)
+
+
+@contextlib.contextmanager
+def _serve(loaded, config: ServerConfig):
+    """A server whose start may take long on a machine whose cores are all busy."""
+    srv = ServerThread(loaded, config).start(timeout=START_TIMEOUT_S)
+    try:
+        yield srv
+    finally:
+        srv.stop()
 
 
 def _error(response: httpx.Response, status: int, param: str | None,
@@ -332,7 +344,7 @@ def _preflight(http: httpx.Client, origin: str, path: str = "/v1/chat/completion
 def cors_server(loaded):
     config = ServerConfig(api_keys=[KEY], allowed_origins=[GOOD], rate_limit_rpm=1,
                           engine=EngineConfig(kv_cache_memory_bytes=64 << 20))
-    with ServerThread(loaded, config) as srv, httpx.Client(base_url=srv.base_url,
+    with _serve(loaded, config) as srv, httpx.Client(base_url=srv.base_url,
                                                            timeout=60) as c:
         yield c
 
@@ -359,7 +371,7 @@ def test_preflight_from_a_disallowed_origin(cors_server):
 
 def test_preflight_needs_no_key_with_cors_off(loaded):
     config = ServerConfig(api_keys=[KEY], engine=EngineConfig(kv_cache_memory_bytes=64 << 20))
-    with ServerThread(loaded, config) as srv, httpx.Client(base_url=srv.base_url) as c:
+    with _serve(loaded, config) as srv, httpx.Client(base_url=srv.base_url) as c:
         r = _preflight(c, GOOD)
         assert r.status_code == 405 and "access-control-allow-origin" not in r.headers
         assert c.options("/v1/models").status_code == 401  # not a preflight: the key counts
@@ -389,12 +401,15 @@ CAPS = {"max_tokens": 4, "max_completion_tokens": 4, "n": 2, "min_tokens": 4}
 
 
 def _capped(node):
-    """A copy of a JSON schema whose integer fields in CAPS get those maxima."""
+    """A copy of a JSON schema whose integer fields in CAPS get those maxima, and whose `model`
+    is the served one (a random name is a 404 before anything else is looked at)."""
     if isinstance(node, list):
         return [_capped(x) for x in node]
     if not isinstance(node, dict):
         return node
     out = {k: _capped(v) for k, v in node.items()}
+    if "model" in out.get("properties", {}):
+        out["properties"]["model"] = {"anyOf": [{"enum": [MODEL]}, {"type": "null"}]}
     for name, props in ((k, v) for k, v in out.get("properties", {}).items() if k in CAPS):
         for sub in props.get("anyOf", [props]):
             if sub.get("type") == "integer":
@@ -434,3 +449,23 @@ def test_schemathesis_finds_no_server_error(small_server):
     assert calls["count"] > 100
     assert 200 in calls["statuses"] and 400 in calls["statuses"]
     assert json.loads(httpx.get(small_server.base_url + "/health").text)["status"] == "ok"
+
+
+def test_prompt_logprobs_in_pieces_equal_one_pass():
+    import torch
+
+    from lifeline.engine.prompt_logprobs import ROWS_AT_ONCE, gather_prompt_logprobs
+
+    torch.manual_seed(0)
+    rows, vocab, start = ROWS_AT_ONCE * 2 + 5, 50, 3
+    logits = torch.randn(rows, vocab) * 4
+    prompt = torch.randint(0, vocab, (start + rows,)).tolist()  # the last row scores nothing
+    got = gather_prompt_logprobs(logits, start, prompt, 3)
+    full = logits.log_softmax(dim=-1)
+    assert [pos for pos, _ in got] == list(range(start + 1, start + rows))
+    for pos, lp in got:
+        row = full[pos - start - 1]
+        assert lp.token_id == prompt[pos]
+        assert lp.logprob == pytest.approx(row[prompt[pos]].item(), abs=1e-5)
+        assert [t for t, _ in lp.top] == row.topk(3).indices.tolist()
+    assert gather_prompt_logprobs(logits[:1], len(prompt) - 1, prompt, 0) == []
