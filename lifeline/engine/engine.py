@@ -12,6 +12,7 @@ import torch
 from lifeline.engine.kv_layout import plan_kv
 from lifeline.engine.model_runner import ModelRunner, StepInputs
 from lifeline.engine.moe_usage import MoEAccounting
+from lifeline.engine.prompt_logprobs import gather_prompt_logprobs, wants_prompt_logprobs
 from lifeline.engine.request import FinishReason, Request, RequestError, RequestStatus
 from lifeline.engine.sampler import Sampler, SamplingInput, TokenLogprobs, make_generator
 from lifeline.engine.sampling_params import SamplingParams
@@ -72,6 +73,9 @@ class RequestOutput:
     finished: bool
     request: Request
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """On the first output of a request with `params.prompt_logprobs`: one entry per prompt
+    token, None for the first (nothing predicts it)."""
 
     @property
     def error(self) -> RequestError | None:
@@ -100,6 +104,9 @@ class _OutputState:
     detokenizer: IncrementalDetokenizer | None
     stop: StopChecker
     text: str = ""
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
+    """Filled position by position during prefill; handed out (and dropped) with the first
+    output."""
 
 
 class LLMEngine:
@@ -201,6 +208,7 @@ class LLMEngine:
         req.timeline.arrival_wall = time.time()
         req.timeline.tokenized = self.clock()
         self._validate(req)
+        req.want_prompt_logits = wants_prompt_logprobs(req)
         req.generator = make_generator(params.seed)
         self.scheduler.add_request(req)
         req.timeline.queued = self.clock()
@@ -209,6 +217,8 @@ class LLMEngine:
             heapq.heappush(self._deadlines, (deadline, order, req))
         self._outputs[request_id] = _OutputState(self._detokenizer(params), StopChecker(
             params.stop, params.include_stop_str_in_output))
+        if req.want_prompt_logits:
+            self._outputs[request_id].prompt_logprobs = [None] * len(ids)
         return req
 
     def _tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -313,7 +323,26 @@ class LLMEngine:
 
     def _record_prompt_logits(self, inputs: StepInputs, logits: torch.Tensor) -> None:
         for req, first, count in inputs.prompt_logit_spans:
-            req.prompt_logits.append(logits[first:first + count].clone())
+            if wants_prompt_logprobs(req):
+                self._record_prompt_logprobs(req, logits[first:first + count])
+            else:
+                req.prompt_logits.append(logits[first:first + count].clone())
+
+    def _record_prompt_logprobs(self, req: Request, rows: torch.Tensor) -> None:
+        """Before `scheduler.update`, so `num_computed_tokens` is the chunk's first position."""
+        state = self._outputs[req.request_id].prompt_logprobs
+        if state is None:
+            return
+        for pos, lp in gather_prompt_logprobs(rows, req.num_computed_tokens,
+                                              req.prompt_token_ids, req.params.prompt_logprobs):
+            state[pos] = lp
+
+    def _take_prompt_logprobs(self, req: Request) -> list[TokenLogprobs | None] | None:
+        state = self._outputs[req.request_id]
+        taken, state.prompt_logprobs = state.prompt_logprobs, None
+        if taken is not None:
+            req.want_prompt_logits = False  # a preempted re-run needs no logits, may hit cache
+        return taken
 
     def _record_prefill(self, out: SchedulerOutput, start: float, end: float) -> None:
         for s in out.scheduled:
@@ -331,12 +360,13 @@ class LLMEngine:
                 tl.first_token = now
             if lp is not None:
                 req.logprobs.append(lp)
+            prompt_lps = self._take_prompt_logprobs(req)
             delta = self._detokenize(req, token)
             if req.status is RequestStatus.FINISHED:
                 tl.finished = now
             text = self._outputs[req.request_id].text
             results.append(RequestOutput(req.request_id, [token], delta, text, req.is_finished,
-                                         req, [lp] if lp is not None else []))
+                                         req, [lp] if lp is not None else [], prompt_lps))
             if req.is_finished:
                 self._release(req)
         return results

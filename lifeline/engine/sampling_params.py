@@ -26,6 +26,9 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    prompt_logprobs: int | None = None
+    """Logprobs of every prompt token and the top N at each prompt position (vLLM's field);
+    None: none. Costs the full logits of every prompt position, and no prefix-cache reuse."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -54,6 +57,8 @@ class SamplingParams:
             raise ValueError(f"min_tokens must be non-negative, got {self.min_tokens}")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
 
     @property
     def greedy(self) -> bool:

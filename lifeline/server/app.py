@@ -8,7 +8,10 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from lifeline.model.loader import LoadedModel
@@ -17,7 +20,12 @@ from lifeline.server.config import ServerConfig
 from lifeline.server.errors import APIError, bad_request, install_handlers
 from lifeline.server.middleware import GatewayMiddleware
 from lifeline.server.openai_api import is_small, parse_body, router
-from lifeline.server.protocol import ChatCompletionRequest, DetokenizeRequest, TokenizeRequest
+from lifeline.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from lifeline.server.state import LoadedOrLoader, ServerState
 
 JSON_PIECE = 8192
@@ -49,14 +57,46 @@ def create_app(loaded_model: LoadedOrLoader, config: ServerConfig | None = None)
             aengine.stop()
             state.tracer.shutdown()
 
-    app = FastAPI(title="Lifeline", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    app = FastAPI(title="Lifeline", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.lifeline = state
     install_handlers(app)
     app.include_router(router)
     _add_routes(app, state)
     app.add_middleware(GatewayMiddleware, state=state)
+    _add_cors(app, config)
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+def _add_cors(app: FastAPI, config: ServerConfig) -> None:
+    """Outside the gateway, so a preflight is answered before the key check and the gateway's
+    own errors (401, 413) carry the CORS headers too."""
+    if config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=config.allowed_origins,
+                           allow_methods=config.allowed_methods,
+                           allow_headers=config.allowed_headers,
+                           allow_credentials=config.allow_credentials)
+
+
+REQUEST_BODIES: dict[str, type[BaseModel]] = {
+    "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+    "/tokenize": TokenizeRequest, "/detokenize": DetokenizeRequest}
+"""The handlers parse their bodies themselves (`parse_body`); the schema still shows them."""
+
+
+def _openapi(app: FastAPI) -> dict[str, Any]:
+    if app.openapi_schema is not None:
+        return app.openapi_schema
+    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    components = schema.setdefault("components", {}).setdefault("schemas", {})
+    for path, model in REQUEST_BODIES.items():
+        body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        components.update(body.pop("$defs", {}))
+        components[model.__name__] = body
+        schema["paths"][path]["post"]["requestBody"] = {"required": True, "content": {
+            "application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    app.openapi_schema = schema
+    return schema
 
 
 async def _load(state: ServerState, aengine: AsyncEngine) -> None:
@@ -111,6 +151,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         if body.messages is not None:
             chat = ChatCompletionRequest(messages=body.messages, tools=body.tools,
                                          add_generation_prompt=body.add_generation_prompt,
+                                         continue_final_message=body.continue_final_message,
                                          chat_template_kwargs=body.chat_template_kwargs)
             ids, anatomy = await run_in_threadpool(_tokenize_chat, state, chat)
         elif state.loaded.tokenizer is None:

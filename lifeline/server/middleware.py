@@ -50,6 +50,8 @@ class GatewayMiddleware:
     def _admit(self, scope: Scope) -> str:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1")
                    for k, v in scope.get("headers", ())}
+        if _is_preflight(scope, headers):
+            return "anonymous"  # a browser never sends a key on a preflight
         key = self.state.auth.check(scope["path"], headers.get("authorization"))
         length = headers.get("content-length")
         if length and length.isdigit() and int(length) > self.state.config.max_body_bytes:
@@ -62,6 +64,11 @@ class GatewayMiddleware:
             return
         stamps.last_byte = time.perf_counter()
         self.state.log_plain(stamps, scope["path"], status)
+
+
+def _is_preflight(scope: Scope, headers: dict[str, str]) -> bool:
+    return (scope.get("method") == "OPTIONS" and "origin" in headers
+            and "access-control-request-method" in headers)
 
 
 def _limit_body(receive: Receive, limit: int) -> Receive:

@@ -111,7 +111,9 @@ def _encode(state: ServerState, job: Job) -> None:
         stamps.templated = stamps.parsed
         job.prompts = [_tokenize(state, p) for p in body.prompts]
     stamps.mark("tokenized")
-    _check_prompts(state, job.prompts, "messages" if job.is_chat else "prompt")
+    param = "messages" if job.is_chat else "prompt"
+    _check_prompts(state, job.prompts, param)
+    _check_room(state, body, job.prompts, param)
 
 
 def _tokenize(state: ServerState, prompt: str | list[int]) -> list[int]:
@@ -135,8 +137,24 @@ def _check_prompts(state: ServerState, prompts: list[list[int]], param: str) -> 
             raise bad_request(f"token id {_short(bad)} is outside the vocabulary (size "
                               f"{vocab})", param)
         if len(ids) >= limit:
-            raise bad_request(f"the prompt has {len(ids)} tokens; this model's context is "
-                              f"{limit} tokens and needs room for at least one more", param)
+            raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context is "
+                           f"{limit} tokens and needs room for at least one more", param,
+                           "context_length_exceeded")
+
+
+def _check_room(state: ServerState, body: Any, prompts: list[list[int]], param: str) -> None:
+    """An explicit max_tokens that does not fit after the prompt is refused, as OpenAI and vLLM
+    do (a default one is clamped to the room left)."""
+    sent = body.model_fields_set & {"max_tokens", "max_completion_tokens"}
+    wanted = (body.requested_max_tokens if isinstance(body, ChatCompletionRequest)
+              else body.max_tokens) if sent else None
+    limit = state.engine.max_model_len
+    longest = max(len(ids) for ids in prompts)
+    if wanted is not None and longest + wanted > limit:
+        raise APIError(400, f"this model's context is {limit} tokens, but {longest + wanted} "
+                       f"were asked for ({longest} in the {param}, {wanted} in the completion); "
+                       "shorten the prompt or lower max_tokens", param,
+                       "context_length_exceeded")
 
 
 def _short(value: int) -> str:

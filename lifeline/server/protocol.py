@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any, Literal
 
 from pydantic import (
@@ -105,6 +106,7 @@ class _SamplingBody(_Body):
     user: str | None = None
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
     """vLLM's: only requests with the same salt share prefix-cache blocks."""
+    response_format: Any = None
 
     @model_validator(mode="after")
     def _check_common(self) -> _SamplingBody:
@@ -136,6 +138,14 @@ class _SamplingBody(_Body):
             if not -100 <= value <= 100:
                 raise ParamError(f"logit_bias values must be in [-100, 100], got {value}",
                                  "logit_bias")
+        return self
+
+    @model_validator(mode="after")
+    def _check_response_format(self) -> _SamplingBody:
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            raise ParamError("response_format: only {'type': 'text'} is supported; this server "
+                             "has no constrained decoding (json_object, json_schema)",
+                             "response_format")
         return self
 
     @property
@@ -229,8 +239,6 @@ class CompletionRequest(_SamplingBody):
             raise ParamError("prompt may not be an empty list", "prompt")
         if self.suffix:
             raise ParamError("suffix is not supported", "suffix")
-        if self.echo:
-            raise ParamError("echo is not supported", "echo")
         return self
 
     @field_validator("prompt", mode="wrap")
@@ -247,6 +255,12 @@ class CompletionRequest(_SamplingBody):
             raise ParamError(f"{count} prompts times n={self.n} is {count * self.n} choices; "
                              f"at most {MAX_CHOICES} are allowed", "n")
         return self
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, logprobs)
+        if self.echo and logprobs is not None:
+            return replace(params, prompt_logprobs=logprobs)
+        return params
 
     @property
     def prompts(self) -> list[str | list[int]]:
@@ -303,6 +317,7 @@ class TokenizeRequest(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -323,6 +338,14 @@ class TokenizeRequest(_Body):
             raise ParamError(f"the prompt may be at most {MAX_PROMPT_CHARS} characters, got "
                              f"{len(self.prompt)}", "prompt")
         _check_tools_size(self.tools)
+        return self
+
+    @model_validator(mode="after")
+    def _chat_options(self) -> TokenizeRequest:
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ParamError("continue_final_message and add_generation_prompt exclude each "
+                             "other; set add_generation_prompt to false",
+                             "continue_final_message")
         return self
 
 

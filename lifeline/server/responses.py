@@ -49,15 +49,27 @@ class TokenText:
         return {"token": raw.decode("utf-8", errors="replace"), "logprob": _finite(logprob),
                 "bytes": list(raw)}
 
-    def completion_logprobs(self, items: list[TokenLogprobs], offset: int) -> dict[str, Any]:
-        tokens = [self.text(lp.token_id) for lp in items]
+    def completion_logprobs(self, items: list[TokenLogprobs], offset: int,
+                            unscored: int | None = None) -> dict[str, Any]:
+        """The legacy shape: each token's top N plus the token itself when it is not among
+        them (N + 1 entries at most, as OpenAI's). `unscored`: a token ahead of `items` that
+        has no logprob (the first token of an echoed prompt): null in both lists."""
+        ids = ([] if unscored is None else [unscored]) + [lp.token_id for lp in items]
+        tokens = [self.text(t) for t in ids]
         offsets = []
         for tok in tokens:
             offsets.append(offset)
             offset += len(tok)
-        return {"tokens": tokens, "token_logprobs": [_finite(lp.logprob) for lp in items],
-                "top_logprobs": [{self.text(t): _finite(v) for t, v in lp.top} for lp in items],
+        lead: list[Any] = [] if unscored is None else [None]
+        return {"tokens": tokens,
+                "token_logprobs": lead + [_finite(lp.logprob) for lp in items],
+                "top_logprobs": lead + [self._top(lp) for lp in items],
                 "text_offset": offsets}
+
+    def _top(self, lp: TokenLogprobs) -> dict[str, float]:
+        top = {self.text(t): _finite(v) for t, v in lp.top}
+        top.setdefault(self.text(lp.token_id), _finite(lp.logprob))
+        return top
 
 
 def _finite(value: float) -> float:

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from lifeline.engine.engine import RequestOutput
+from lifeline.engine.sampler import TokenLogprobs
 from lifeline.server.chat_frontend import Delta
 from lifeline.server.generation import Cancelled, Choice
 from lifeline.server.job import Job, as_api_error
@@ -22,6 +23,9 @@ class _Stream:
         self.job = job
         self.closed: set[int] = set()
         """Choices whose finish_reason was sent."""
+        options = job.body.stream_options
+        self.continuous_usage = bool(options and options.continuous_usage_stats)
+        """vLLM's `stream_options.continuous_usage_stats`: usage so far on every chunk."""
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.job.response_id, "object": self.object_name,
@@ -45,7 +49,7 @@ class _Stream:
         try:
             for c in self.opening():
                 with job.stamps.writing():
-                    yield sse(c)
+                    yield sse(self._with_usage(c))
             tail: list[dict[str, Any]] = []
             async for choice, out in job.generation.outputs():
                 item = self.absorb(choice, out)
@@ -55,11 +59,11 @@ class _Stream:
                     tail.append(item)  # the last chunk carries the timings: hold it
                     continue
                 with job.stamps.writing():
-                    yield sse(item)
+                    yield sse(self._with_usage(item))
             await job.finish_anatomy()
             for item in self._closing(tail):
                 with job.stamps.writing():
-                    yield sse(item)
+                    yield sse(self._with_usage(item))
             with job.stamps.writing():
                 yield sse("[DONE]")
         except (asyncio.CancelledError, Cancelled):
@@ -76,6 +80,11 @@ class _Stream:
                 if job.stamps.last_byte is None:
                     job.stamps.mark("last_byte")
                 job.account(job.record(status))
+
+    def _with_usage(self, item: dict[str, Any]) -> dict[str, Any]:
+        if self.continuous_usage and "usage" not in item:
+            item["usage"] = self.job.usage()
+        return item
 
     def _closing(self, items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         job = self.job
@@ -190,20 +199,47 @@ class CompletionStream(_Stream):
     def __init__(self, job: Job):
         super().__init__(job)
         self.offsets = {c.index: 0 for c in job.choices}
+        self.echo = bool(job.body.echo)
+        self.echoed: dict[int, list[TokenLogprobs | None] | None] = {}
+        """Choices whose prompt was echoed, with its logprobs (when asked for)."""
 
     def absorb(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
+        text, offset = out.new_text, self.offsets[choice.index]
         logprobs = None
         if choice.params.logprobs is not None:
-            logprobs = self.job.state.token_text.completion_logprobs(
-                out.new_logprobs, self.offsets[choice.index])
-        self.offsets[choice.index] += len(out.new_text)
+            logprobs = self.job.state.token_text.completion_logprobs(out.new_logprobs, offset)
+        if self.echo and choice.index not in self.echoed:
+            self.echoed[choice.index] = out.prompt_logprobs
+            prompt = self._prompt_text(choice)
+            text = prompt + text
+            if logprobs is not None:
+                logprobs = _joined(self._prompt_logprobs(choice),
+                                   self.job.state.token_text.completion_logprobs(
+                                       out.new_logprobs, len(prompt)))
+        self.offsets[choice.index] += len(text)
         finish = choice.finish_reason if out.finished else None
         if finish is not None:
             self.closed.add(choice.index)
-        if not out.new_text and finish is None and logprobs is None:
+        if not text and finish is None and logprobs is None:
             return None
-        return self.chunk([{"index": choice.index, "text": out.new_text, "logprobs": logprobs,
+        return self.chunk([{"index": choice.index, "text": text, "logprobs": logprobs,
                             "finish_reason": finish}])
+
+    def _prompt_text(self, choice: Choice) -> str:
+        body = self.job.body
+        prompt = body.prompts[choice.index // body.n]
+        if isinstance(prompt, str):
+            return prompt
+        return self.job.state.loaded.tokenizer.decode(choice.prompt_ids,
+                                                      body.skip_special_tokens)
+
+    def _prompt_logprobs(self, choice: Choice) -> dict[str, Any]:
+        """The echoed prompt's tokens: the first unscored, the others with their logprobs."""
+        items = self.echoed.get(choice.index) or []
+        if len(items) != len(choice.prompt_ids) or any(lp is None for lp in items[1:]):
+            raise RuntimeError(f"{choice.request_id}: the prompt logprobs are incomplete")
+        return self.job.state.token_text.completion_logprobs(
+            items[1:], 0, unscored=choice.prompt_ids[0])
 
     def cut_off(self, choice: Choice) -> dict[str, Any]:
         self.closed.add(choice.index)
@@ -211,14 +247,27 @@ class CompletionStream(_Stream):
                 "finish_reason": choice.finish_reason or "abort"}
 
     def full_response(self) -> dict[str, Any]:
-        token_text = self.job.state.token_text
-        choices = [{"index": c.index, "text": c.text,
-                    "logprobs": token_text.completion_logprobs(c.logprobs, 0)
-                    if c.params.logprobs is not None else None,
-                    "finish_reason": c.finish_reason} for c in self.job.choices]
+        choices = [self._full_choice(c) for c in self.job.choices]
         return {"id": self.job.response_id, "object": "text_completion",
                 "created": self.job.created, "model": self.job.state.model_id,
                 "choices": choices, "usage": self.job.usage()}
+
+    def _full_choice(self, c: Choice) -> dict[str, Any]:
+        token_text = self.job.state.token_text
+        echoed = self.echo and c.index in self.echoed
+        prompt = self._prompt_text(c) if echoed else ""
+        logprobs = None
+        if c.params.logprobs is not None:
+            logprobs = token_text.completion_logprobs(c.logprobs, len(prompt))
+            if echoed:
+                logprobs = _joined(self._prompt_logprobs(c), logprobs)
+        return {"index": c.index, "text": prompt + c.text, "logprobs": logprobs,
+                "finish_reason": c.finish_reason}
+
+
+def _joined(first: dict[str, Any], second: dict[str, Any]) -> dict[str, Any]:
+    """Two legacy logprobs objects as one, in order."""
+    return {key: first[key] + second[key] for key in first}
 
 
 def _collapse_tool_calls(deltas: list[dict[str, Any]]) -> list[dict[str, Any]]:
