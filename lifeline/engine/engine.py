@@ -69,7 +69,7 @@ class RequestOutput:
     new_token_ids: list[int]
     new_text: str
     text: str
-    """All output text so far."""
+    """All output text, on the last output ('' before it)."""
     finished: bool
     request: Request
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -103,7 +103,8 @@ class StepErrors:
 class _OutputState:
     detokenizer: IncrementalDetokenizer | None
     stop: StopChecker
-    text: str = ""
+    parts: list[str] = field(default_factory=list)
+    """The emitted deltas (joined once, at the end: `+=` on an attribute copies every time)."""
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     """Filled position by position during prefill; handed out (and dropped) with the first
     output."""
@@ -364,7 +365,7 @@ class LLMEngine:
             delta = self._detokenize(req, token)
             if req.status is RequestStatus.FINISHED:
                 tl.finished = now
-            text = self._outputs[req.request_id].text
+            text = "".join(self._outputs[req.request_id].parts) if req.is_finished else ""
             results.append(RequestOutput(req.request_id, [token], delta, text, req.is_finished,
                                          req, [lp] if lp is not None else [], prompt_lps))
             if req.is_finished:
@@ -395,7 +396,7 @@ class LLMEngine:
                 self.scheduler.finish(req, FinishReason.STOP)
         elif req.is_finished:
             delta += state.stop.flush()
-        state.text += delta
+        state.parts.append(delta)
         return delta
 
     def _release(self, req: Request) -> None:
@@ -411,11 +412,11 @@ class LLMEngine:
         delta = ""
         if error is None and state is not None and state.detokenizer is not None:
             delta = state.stop.feed(state.detokenizer.flush()).emit + state.stop.flush()
-            state.text += delta
+            state.parts.append(delta)
         self.scheduler.finish(req, reason)
         req.error = error
         req.timeline.finished = now
-        text = state.text if state is not None else ""
+        text = "".join(state.parts) if state is not None else ""
         self._release(req)
         return RequestOutput(req.request_id, [], delta, text, True, req)
 

@@ -21,7 +21,7 @@ class Choice:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
-    text: str = ""
+    parts: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
@@ -30,6 +30,10 @@ class Choice:
     state: object = None
     """Per-choice parser state the endpoint keeps (reasoning, tool calls)."""
     cache_salt: str | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
 
     @property
     def finished(self) -> bool:
@@ -154,7 +158,7 @@ class Generation:
                 choice.request = out.request
                 choice.token_ids.extend(out.new_token_ids)
                 choice.logprobs.extend(out.new_logprobs)
-                choice.text += out.new_text
+                choice.parts.append(out.new_text)
                 if out.finished:
                     choice.finish_reason = out.finish_reason or "stop"
                 self._queue.put_nowait((choice, out))

@@ -110,7 +110,8 @@ class ChatStream(_Stream):
     def __init__(self, job: Job):
         super().__init__(job)
         self.messages: dict[int, dict[str, Any]] = {
-            c.index: {"content": "", "reasoning": "", "tool_calls": []} for c in job.choices}
+            c.index: {"content": [], "reasoning": [], "tool_calls": []} for c in job.choices}
+        """Each choice's pieces so far, joined once for a full response."""
 
     def opening(self) -> list[dict[str, Any]]:
         return [self.chunk([{"index": c.index, "delta": {"role": "assistant", "content": ""},
@@ -155,8 +156,8 @@ class ChatStream(_Stream):
 
     def _remember(self, index: int, delta: Delta) -> None:
         msg = self.messages[index]
-        msg["content"] += delta.content
-        msg["reasoning"] += delta.reasoning
+        msg["content"].append(delta.content)
+        msg["reasoning"].append(delta.reasoning)
         msg["tool_calls"].extend(delta.tool_calls)
 
     @staticmethod
@@ -177,9 +178,10 @@ class ChatStream(_Stream):
             if c.index not in self.closed:
                 self.cut_off(c)
             msg = self.messages[c.index]
-            message: dict[str, Any] = {"role": "assistant", "content": msg["content"] or None}
-            if msg["reasoning"]:
-                message["reasoning_content"] = message["reasoning"] = msg["reasoning"]
+            content, reasoning = "".join(msg["content"]), "".join(msg["reasoning"])
+            message: dict[str, Any] = {"role": "assistant", "content": content or None}
+            if reasoning:
+                message["reasoning_content"] = message["reasoning"] = reasoning
             if msg["tool_calls"]:
                 message["tool_calls"] = _collapse_tool_calls(msg["tool_calls"])
             elif message["content"] is None:
