@@ -58,13 +58,14 @@ PROMPTS = ["Name a colour.", "What is two plus two?", "Write one word about the 
 class Result:
     kind: str
     sent_s: float
-    """Seconds since the measured run began (negative: warm-up)."""
+    """Seconds since its phase began."""
     latency_s: float
     outcome: str
     expected: bool
     status: int | None = None
     ttft_s: float | None = None
     detail: str = ""
+    warmup: bool = False
 
 
 @dataclass(slots=True)
@@ -126,6 +127,7 @@ class Soak:
     """(seconds since the measured run began, VmRSS in kB)."""
     t0: float = 0.0
     in_flight: int = 0
+    warmup: bool = True
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -147,6 +149,7 @@ class Soak:
                             detail=f"{type(exc).__name__}: {exc}"[:200])
         finally:
             self.in_flight -= 1
+        result.warmup = self.warmup
         self.results.append(result)
         return result
 
@@ -294,7 +297,7 @@ async def drive(soak: Soak, until: float, max_requests: int, progress: Any = Non
             next_rss = 0.0
             while soak.now() < until and sent < max_requests:
                 if progress is not None:
-                    ok = sum(r.expected for r in soak.results if r.sent_s >= 0)
+                    ok = sum(r.expected for r in soak.results if not r.warmup)
                     progress.update(task, completed=min(soak.now(), until),
                                     description=f"{len(soak.results)} done, {ok} as expected")
                 if progress is not None and soak.now() >= next_rss:
@@ -308,7 +311,7 @@ async def drive(soak: Soak, until: float, max_requests: int, progress: Any = Non
 def buckets(results: list[Result], width_s: float) -> list[dict[str, Any]]:
     by: dict[int, list[Result]] = defaultdict(list)
     for r in results:
-        if r.sent_s >= 0 and r.kind in NORMAL and r.outcome == "ok":
+        if not r.warmup and r.kind in NORMAL and r.outcome == "ok":
             by[int((r.sent_s + r.latency_s) // width_s)].append(r)
     rows = []
     for b in sorted(by):
@@ -345,7 +348,7 @@ def write_svg(rows: list[dict[str, Any]], path: Path, width_s: float) -> None:
 
 def summarize(soak: Soak, kv: dict[str, Any], health: int | None,
               duration_s: float) -> dict[str, Any]:
-    measured = [r for r in soak.results if r.sent_s >= 0]
+    measured = [r for r in soak.results if not r.warmup]
     kinds: dict[str, Any] = {}
     for kind in MIX:
         rs = [r for r in measured if r.kind == kind]
@@ -431,11 +434,14 @@ async def soak_run(server: Server, args: argparse.Namespace, console: Any) -> di
         vocab = await vocab_size(c)
         soak = Soak(f"http://127.0.0.1:{server.port}", server.proc.pid, args,
                     bad_inputs(card["max_model_len"], vocab), random.Random(args.seed))
-        soak.t0 = time.perf_counter() + args.warmup_s
+        if args.skip_bad:
+            soak.bad = [b for b in soak.bad if b.name not in args.skip_bad.split(",")]
+        soak.t0 = time.perf_counter()
         console.print(f"warm-up: {args.warmup_s:.0f} s with the same mix")
-        await drive(soak, 0.0, args.max_requests)
+        await drive(soak, args.warmup_s, args.max_requests)
         baseline, idle = await idle_kv(c)
         duration = args.minutes * 60
+        soak.warmup, soak.t0 = False, time.perf_counter()
         soak.rss.append((soak.now(), rss_kb(soak.pid)))
         columns = (TextColumn("{task.description}"), BarColumn(), TimeRemainingColumn())
         with Progress(*columns, console=console) as progress:
@@ -493,6 +499,9 @@ def main() -> None:
                         "reliability; compiling only lengthens the start)")
     p.add_argument("--serve-arg", action="append", default=[],
                    help="one more argument for `lifeline serve` (repeat)")
+    p.add_argument("--skip-bad", default="",
+                   help="comma-separated names of bad inputs to leave out (a server that "
+                        "does not refuse them yet runs them at full cost)")
     p.add_argument("--json", type=Path)
     p.add_argument("--svg", type=Path, default=ROOT / "docs" / "img" / "soak_latency.svg")
     args = p.parse_args()

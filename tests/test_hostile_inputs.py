@@ -40,7 +40,8 @@ LEAKS = re.compile(r"Traceback|File \"|/lifeline/|site-packages|\.py\b|pydantic|
 ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 405: "invalid_request_error",
                413: "invalid_request_error"}
 START_TIMEOUT_S = 300.0
-"""The model's warm-up on a busy shared machine can take minutes."""
+"""Start-up and the first request (which may build the native kernels) on a busy shared
+machine can take minutes."""
 REQUEST_TIMEOUT_S = 60.0
 """A case the server does not refuse must still not hold the module up for long."""
 ANY = object()
@@ -81,6 +82,9 @@ def nested(depth: int) -> bytes:
 
 
 CHAT, COMP = "/v1/chat/completions", "/v1/completions"
+TURNS = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+"""Gemma's template refuses roles that do not alternate: a long history must alternate, so
+that the messages cap (not the template) is what refuses it."""
 CASES = [
     # logit_bias
     Case("logit_bias-too-many", CHAT,
@@ -116,7 +120,7 @@ CASES = [
     Case("prompts-too-many", COMP, lambda c: completion(prompt=["Hi"] * 5_000, max_tokens=1),
          param="prompt"),
     Case("messages-too-many", CHAT,
-         lambda c: chat(max_tokens=1, messages=[{"role": "user", "content": "a"}] * 5_000),
+         lambda c: chat(max_tokens=1, messages=TURNS * 1_500 + TURNS[:1]),
          param="messages"),
     Case("messages-empty", CHAT, lambda c: chat(messages=[]), param="messages"),
     Case("tools-too-many", CHAT, lambda c: chat(tools=[
@@ -154,7 +158,7 @@ CASES = [
     Case("tokenize-oversized-prompt", "/tokenize",
          lambda c: {"model": MODEL, "prompt": "word " * 1_000_000}, param="prompt"),
     Case("tokenize-too-many-messages", "/tokenize", lambda c: {
-        "model": MODEL, "messages": [{"role": "user", "content": "a"}] * 5_000},
+        "model": MODEL, "messages": TURNS * 1_500 + TURNS[:1]},
         param="messages"),
     Case("tokenize-both-inputs", "/tokenize", lambda c: {
         "prompt": "a", "messages": [{"role": "user", "content": "a"}]}),
@@ -221,7 +225,7 @@ def ctx(server, http) -> Ctx:
 @pytest.fixture(scope="module")
 def baseline(http, ctx) -> float:
     """KV held by requests at idle, after one request has warmed the server up."""
-    r = http.post(COMP, json=completion(max_tokens=2))
+    r = http.post(COMP, json=completion(max_tokens=2), timeout=START_TIMEOUT_S)
     assert r.status_code == 200, r.text
     return wait_kv(http, None)
 
@@ -391,11 +395,9 @@ def test_disconnect_mid_stream_frees_the_blocks(server, http, baseline):
 
 
 def test_disconnect_before_the_first_token(server, http, baseline):
-    body = json.dumps(long_stream(COMP)).encode()
     for _ in range(4):
-        with httpx.Client(base_url=server.base_url, timeout=0.05) as c, pytest.raises(
-                httpx.TimeoutException):
-            c.post(COMP, content=body, headers={"content-type": "application/json"})
+        with http.stream("POST", COMP, json=long_stream(COMP)) as r:
+            assert r.status_code == 200  # closed without reading a byte of the body
     wait_kv(http, baseline)
     assert http.post(COMP, json=completion()).status_code == 200
 
