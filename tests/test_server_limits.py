@@ -3,6 +3,7 @@ errors never leak internals, the tokens-per-minute limit refuses what could neve
 while the largest requests within the caps are being tokenized, detokenized and checked,
 `/health` (polled from another process) keeps answering fast. Real servers on loopback, the
 default model, the official `openai` client and raw `httpx` for what a client would refuse."""
+import contextlib
 import json
 import subprocess
 import sys
@@ -32,22 +33,33 @@ def loaded():
     return load_model()
 
 
+@contextlib.contextmanager
+def _running(srv: ServerThread):
+    """Started with time to spare: on a loaded machine the first start builds native ops."""
+    srv.start(timeout=600)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
 @pytest.fixture(scope="module")
 def server(loaded):
-    with ServerThread(loaded, ServerConfig(engine=EngineConfig(kv_cache_memory_bytes=KV))) as s:
-        yield s
+    config = ServerConfig(engine=EngineConfig(kv_cache_memory_bytes=KV))
+    with _running(ServerThread(loaded, config)) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=120) as c:
+    with httpx.Client(base_url=server.base_url, timeout=600) as c:
         yield c
 
 
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0,
-                         timeout=120)
+                         timeout=600)
 
 
 def _error(r: httpx.Response, status: int, param: str | None) -> dict:
@@ -202,7 +214,7 @@ def test_an_unexpected_exception_becomes_a_500_with_an_error_id_only(loaded, cap
         raise RuntimeError("secret detail in /home/user/model.gguf")
 
     srv.app.add_api_route("/broken", broken, methods=["GET"])
-    with srv, caplog.at_level("ERROR", logger="lifeline.server"):
+    with _running(srv), caplog.at_level("ERROR", logger="lifeline.server"):
         r = httpx.get(srv.base_url + "/broken", timeout=30)
         error = _error(r, 500, None)
         assert error["code"] == "internal_error" and error["type"] == "server_error"
@@ -216,8 +228,8 @@ def test_an_unexpected_exception_becomes_a_500_with_an_error_id_only(loaded, cap
 
 def test_tokens_per_minute_refuses_what_could_never_fit_and_charges_partial_output(loaded):
     config = ServerConfig(rate_limit_tpm=200, engine=EngineConfig(kv_cache_memory_bytes=KV))
-    with ServerThread(loaded, config) as srv, \
-            httpx.Client(base_url=srv.base_url, timeout=60) as http:
+    with _running(ServerThread(loaded, config)) as srv, \
+            httpx.Client(base_url=srv.base_url, timeout=600) as http:
         error = _error(http.post("/v1/completions", json={"prompt": [5] * 201,
                                                           "max_tokens": 1}), 400, "prompt")
         assert error["code"] == "request_too_large" and "200" in error["message"]
@@ -241,7 +253,7 @@ def test_tokens_per_minute_refuses_what_could_never_fit_and_charges_partial_outp
         assert r.json()["error"]["code"] == "rate_limit_exceeded"
 
 
-def _wait_for_idle(srv: ServerThread, timeout: float = 30) -> None:
+def _wait_for_idle(srv: ServerThread, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not srv.state.engine.has_unfinished_requests() and srv.state.admission.in_flight == 0:
@@ -254,8 +266,8 @@ def test_the_queue_limit_counts_every_choice_of_a_request(loaded):
     engine = EngineConfig(kv_cache_memory_bytes=KV, max_num_seqs=1)
     config = ServerConfig(max_queued_requests=4, engine=engine)
     long = {"prompt": "Tell me a story.", "max_tokens": 200, "ignore_eos": True}
-    with ServerThread(loaded, config) as srv, \
-            httpx.Client(base_url=srv.base_url, timeout=120) as http:
+    with _running(ServerThread(loaded, config)) as srv, \
+            httpx.Client(base_url=srv.base_url, timeout=600) as http:
         error = _error(http.post("/v1/completions", json={"prompt": "Hi", "n": 5,
                                                           "max_tokens": 1}), 400, "n")
         assert error["code"] == "too_many_choices"
@@ -267,9 +279,9 @@ def test_the_queue_limit_counts_every_choice_of_a_request(loaded):
                 pass
             waiting = threading.Thread(target=lambda: httpx.post(
                 srv.base_url + "/v1/completions", json={**long, "n": 3, "max_tokens": 8},
-                timeout=120))
+                timeout=600))
             waiting.start()
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 120
             while srv.state.admission.waiting < 3 and time.monotonic() < deadline:
                 time.sleep(0.02)
             assert srv.state.admission.waiting == 3
@@ -277,7 +289,7 @@ def test_the_queue_limit_counts_every_choice_of_a_request(loaded):
                                                          "max_tokens": 1})
             error = _error(refused, 503, None)
             assert error["code"] == "queue_full"
-        waiting.join(120)
+        waiting.join(600)
         _wait_for_idle(srv)
         assert http.post("/v1/completions", json={"prompt": "Hi", "n": 4, "max_tokens": 1}
                          ).status_code == 200
