@@ -3,13 +3,15 @@ answer as one JSON body or as SSE chunks, and account the request."""
 from __future__ import annotations
 
 import asyncio
+import weakref
 from collections.abc import Callable
 from typing import Any
 
+import anyio.to_thread
+from anyio import CapacityLimiter
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from starlette.concurrency import run_in_threadpool
 
 from lifeline.observe import ServerStamps
 from lifeline.server.errors import APIError, bad_request, parse_json, validation_error
@@ -21,6 +23,18 @@ from lifeline.server.state import ServerState, new_id
 from lifeline.server.streams import ChatStream, CompletionStream
 
 router = APIRouter()
+_PREPARING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per event loop, one worker thread prepares large requests: several CPU-bound threads would queue for the GIL
+ahead of the event loop, each taking a switch interval, and stretch every answer."""
+
+
+async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` in the preparing thread (parsing, templating, tokenizing, detokenizing)."""
+    loop = asyncio.get_running_loop()
+    limiter = _PREPARING.get(loop)
+    if limiter is None:
+        limiter = _PREPARING[loop] = CapacityLimiter(1)
+    return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
 
 
 @router.post("/v1/chat/completions")
@@ -43,7 +57,7 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     depth = state.config.max_json_depth
     if raw.count(b",") <= INLINE_JSON_COMMAS:
         return _validated(model, parse_json(raw, depth))
-    return await run_in_threadpool(lambda: _validated(model, parse_json(raw, depth, True)))
+    return await off_loop(lambda: _validated(model, parse_json(raw, depth, True)))
 
 
 def _validated(model: type[BaseModel], data: dict[str, Any]) -> Any:
@@ -85,7 +99,7 @@ async def _off_loop(fn: Callable[..., Any], offload: bool, *args: Any) -> Any:
     tokenizer's, ours) is the request's fault: a 400."""
     try:
         if offload:
-            return await run_in_threadpool(fn, *args)
+            return await off_loop(fn, *args)
         return fn(*args)
     except APIError:
         raise

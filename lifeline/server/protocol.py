@@ -54,6 +54,13 @@ def _check_tools_size(tools: list[dict[str, Any]] | None) -> None:
         raise ParamError(f"tools may be at most {MAX_TOOLS_CHARS} characters in all", "tools")
 
 
+def _check_content_size(messages: list[Any]) -> None:
+    size = sum(_json_size(m.content, MAX_PROMPT_CHARS) for m in messages if m.content)
+    if size > MAX_PROMPT_CHARS:
+        raise ParamError(f"the messages' contents may be at most {MAX_PROMPT_CHARS} characters "
+                         "in all", "messages")
+
+
 def _json_size(value: Any, budget: int) -> int:
     """Characters of every string in `value` plus one per value; stops once past `budget`."""
     size, stack = 0, [value]
@@ -184,6 +191,11 @@ class ChatCompletionRequest(_SamplingBody):
     @model_validator(mode="after")
     def _check_tools_chars(self) -> ChatCompletionRequest:
         _check_tools_size(self.tools)
+        return self
+
+    @model_validator(mode="after")
+    def _check_content_chars(self) -> ChatCompletionRequest:
+        _check_content_size(self.messages)
         return self
 
     @model_validator(mode="after")
@@ -319,6 +331,7 @@ class TokenizeRequest(_Body):
             raise ParamError(f"the prompt may be at most {MAX_PROMPT_CHARS} characters, got "
                              f"{len(self.prompt)}", "prompt")
         _check_tools_size(self.tools)
+        _check_content_size(self.messages or [])
         return self
 
 
