@@ -24,8 +24,9 @@ from lifeline.server.streams import ChatStream, CompletionStream
 
 router = APIRouter()
 _PREPARING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""Per event loop, one worker thread prepares large requests: several CPU-bound threads would queue for the GIL
-ahead of the event loop, each taking a switch interval, and stretch every answer."""
+"""Per event loop, one worker thread prepares large requests: several CPU-bound threads would
+queue for the GIL ahead of the event loop, each taking a switch interval, and stretch every
+answer."""
 
 
 async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
