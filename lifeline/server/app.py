@@ -19,7 +19,7 @@ from lifeline.server.async_engine import AsyncEngine
 from lifeline.server.config import ServerConfig
 from lifeline.server.errors import APIError, bad_request, install_handlers
 from lifeline.server.middleware import GatewayMiddleware
-from lifeline.server.openai_api import is_small, parse_body, router
+from lifeline.server.openai_api import is_small, off_loop, parse_body, router
 from lifeline.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -153,19 +153,19 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                                          add_generation_prompt=body.add_generation_prompt,
                                          continue_final_message=body.continue_final_message,
                                          chat_template_kwargs=body.chat_template_kwargs)
-            ids, anatomy = await run_in_threadpool(_tokenize_chat, state, chat)
+            ids, anatomy = await off_loop(_tokenize_chat, state, chat)
         elif state.loaded.tokenizer is None:
             raise bad_request("this model has no tokenizer", "prompt")
         else:
-            ids = await run_in_threadpool(state.loaded.tokenizer.encode, body.prompt,
-                                          body.add_special_tokens)
+            ids = await off_loop(state.loaded.tokenizer.encode, body.prompt,
+                                 body.add_special_tokens)
             anatomy = None
         out = {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
         if anatomy is not None:
             out["prompt_anatomy"] = anatomy
         if len(ids) <= JSON_PIECE:
             return JSONResponse(out)
-        return Response(await run_in_threadpool(_tokens_json, out),
+        return Response(await off_loop(_tokens_json, out),
                         media_type="application/json")
 
     @app.post("/detokenize")
@@ -177,7 +177,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
             raise bad_request("this model has no tokenizer", "tokens")
         if await is_small(request):
             return {"prompt": _detokenize(state, body.tokens)}
-        return {"prompt": await run_in_threadpool(_detokenize, state, body.tokens)}
+        return {"prompt": await off_loop(_detokenize, state, body.tokens)}
 
 
 def _tokens_json(out: dict[str, Any]) -> bytes:

@@ -19,9 +19,10 @@ MAX_PROMPTS = 256
 """Prompts in one `/v1/completions` request (a list of strings or of token-id lists)."""
 MAX_CHOICES = 256
 """Engine requests one HTTP request becomes: prompts times `n`."""
-MAX_PROMPT_CHARS = 1 << 20
-"""Characters of text prompt in one request, all prompts together (and of a `/tokenize`
-prompt)."""
+MAX_PROMPT_CHARS = 1 << 18
+"""Characters of text prompt in one request, all prompts (or all message contents) together,
+and of a `/tokenize` prompt: 8 characters a token over a 32k context. Tokenizing one long text
+builds millions of small objects, and the collector's passes over them stop the process."""
 MAX_PROMPT_TOKEN_IDS = 1 << 17
 """Token ids of prompt in one request, all prompts together (and of a `/detokenize` list)."""
 MAX_MESSAGES = 2048

@@ -5,13 +5,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hashlib
+import weakref
 from collections.abc import Callable
 from typing import Any
 
+import anyio.to_thread
+from anyio import CapacityLimiter
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
-from starlette.concurrency import run_in_threadpool
 
 from lifeline.engine.sampling_params import SamplingParams
 from lifeline.observe import ServerStamps
@@ -28,6 +30,19 @@ FAULT_HEADER = "x-lifeline-fault"
 """With `--enable-fault-injection`: 'step' makes the engine step that runs the request raise."""
 SEED_SPACE = 1 << 64
 """A generator's seed is taken modulo this (torch's range)."""
+_PREPARING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""Per event loop, one worker thread prepares large requests: several CPU-bound threads would
+queue for the GIL ahead of the event loop, each taking a switch interval, and stretch every
+answer."""
+
+
+async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` in the preparing thread (parsing, templating, tokenizing, detokenizing)."""
+    loop = asyncio.get_running_loop()
+    limiter = _PREPARING.get(loop)
+    if limiter is None:
+        limiter = _PREPARING[loop] = CapacityLimiter(1)
+    return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
 
 
 @router.post("/v1/chat/completions")
@@ -50,7 +65,7 @@ async def parse_body(request: Request, model: type[BaseModel]) -> Any:
     depth = state.config.max_json_depth
     if raw.count(b",") <= INLINE_JSON_COMMAS:
         return _validated(model, parse_json(raw, depth))
-    return await run_in_threadpool(lambda: _validated(model, parse_json(raw, depth, True)))
+    return await off_loop(lambda: _validated(model, parse_json(raw, depth, True)))
 
 
 def _validated(model: type[BaseModel], data: dict[str, Any]) -> Any:
@@ -92,7 +107,7 @@ async def _off_loop(fn: Callable[..., Any], offload: bool, *args: Any) -> Any:
     tokenizer's, ours) is the request's fault: a 400."""
     try:
         if offload:
-            return await run_in_threadpool(fn, *args)
+            return await off_loop(fn, *args)
         return fn(*args)
     except APIError:
         raise

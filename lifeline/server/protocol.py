@@ -57,6 +57,13 @@ def _check_tools_size(tools: list[dict[str, Any]] | None) -> None:
         raise ParamError(f"tools may be at most {MAX_TOOLS_CHARS} characters in all", "tools")
 
 
+def _check_content_size(messages: list[Any]) -> None:
+    size = sum(_json_size(m.content, MAX_PROMPT_CHARS) for m in messages if m.content)
+    if size > MAX_PROMPT_CHARS:
+        raise ParamError(f"the messages' contents may be at most {MAX_PROMPT_CHARS} characters "
+                         "in all", "messages")
+
+
 def _json_size(value: Any, budget: int) -> int:
     """Characters of every string in `value` plus one per value; stops once past `budget`."""
     size, stack = 0, [value]
@@ -201,6 +208,11 @@ class ChatCompletionRequest(_SamplingBody):
         return self
 
     @model_validator(mode="after")
+    def _check_content_chars(self) -> ChatCompletionRequest:
+        _check_content_size(self.messages)
+        return self
+
+    @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.tool_choice not in (None, "none") and not self.tools:
             raise ParamError("tool_choice needs tools", "tool_choice")
@@ -338,6 +350,7 @@ class TokenizeRequest(_Body):
             raise ParamError(f"the prompt may be at most {MAX_PROMPT_CHARS} characters, got "
                              f"{len(self.prompt)}", "prompt")
         _check_tools_size(self.tools)
+        _check_content_size(self.messages or [])
         return self
 
     @model_validator(mode="after")

@@ -4,6 +4,9 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 
+HEAPIFY_MAX = 1 << 14
+"""Texts of more characters build their merge heap by pushes, not one `heapify`."""
+
 
 def spm_merge(text: str, vocab: dict[str, int], neg_scores: Sequence[float]) -> list[str]:
     """The symbols `text` ends up as: start from characters, and keep merging the adjacent pair
@@ -15,13 +18,16 @@ def spm_merge(text: str, vocab: dict[str, int], neg_scores: Sequence[float]) -> 
     nxt = list(range(1, n + 1))
     nxt[-1] = -1
     prv = list(range(-1, n - 1))
-    heap = []
+    heap: list[tuple[float, int, int, int]] = []
+    pop, push, get = heapq.heappop, heapq.heappush, vocab.get
+    # one heapify of a long text's pairs is one C call that holds the GIL throughout (the
+    # server's event loop with it); pushes let other threads run between them
+    add = heap.append if n <= HEAPIFY_MAX else lambda item: push(heap, item)
     for i in range(n - 1):
         token_id = vocab.get(syms[i] + syms[i + 1])
         if token_id is not None:
-            heap.append((neg_scores[token_id], i, i + 1, 2))
+            add((neg_scores[token_id], i, i + 1, 2))
     heapq.heapify(heap)
-    pop, push, get = heapq.heappop, heapq.heappush, vocab.get
     while heap:
         _, left, right, size = pop(heap)
         a, b = syms[left], syms[right]
