@@ -176,14 +176,13 @@ def test_chatml_anatomy_sums(chatml):
 # --- the server: /tokenize and chat through the official client -------------------------------
 
 @pytest.fixture(scope="module")
-def server():
+def server(default_model):
     from lifeline.engine.engine import EngineConfig
-    from lifeline.model.loader import load_model
     from lifeline.server.config import ServerConfig
     from lifeline.server.testing import ServerThread
 
     config = ServerConfig(engine=EngineConfig(kv_cache_memory_bytes=256 << 20))
-    srv = ServerThread(load_model(), config).start(timeout=300)  # a loaded machine is slow
+    srv = ServerThread(default_model, config).start(timeout=300)  # a loaded machine is slow
     try:
         yield srv
     finally:

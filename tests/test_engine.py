@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from lifeline import LLM, SamplingParams
-from lifeline.model.loader import load_model
 
 SYSTEM = ("You are a careful assistant. Answer briefly and precisely, and say when you do not "
           "know. The user is a student of geography and history. ")
@@ -20,8 +19,8 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model()
+def loaded(default_model):
+    return default_model
 
 
 @pytest.fixture(scope="module")

@@ -6,14 +6,13 @@ import pytest
 from lifeline.engine.engine import EngineConfig, LLMEngine
 from lifeline.engine.request import FinishReason, RequestError
 from lifeline.engine.sampling_params import SamplingParams
-from lifeline.model.loader import load_model
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model()
+def loaded(default_model):
+    return default_model
 
 
 def _engine(loaded, **kw) -> LLMEngine:

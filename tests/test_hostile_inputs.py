@@ -23,7 +23,6 @@ import httpx
 import pytest
 
 from lifeline.engine.engine import EngineConfig
-from lifeline.model.loader import load_model
 from lifeline.server.config import ServerConfig
 from lifeline.server.testing import ServerThread
 
@@ -200,10 +199,10 @@ CASES = [
 # -- the server and what each case checks ----------------------------------------------------
 
 @pytest.fixture(scope="module")
-def server():
+def server(default_model):
     config = ServerConfig(enable_fault_injection=True,
                           engine=EngineConfig(kv_cache_memory_bytes=256 << 20))
-    srv = ServerThread(load_model(), config).start(timeout=START_TIMEOUT_S)
+    srv = ServerThread(default_model, config).start(timeout=START_TIMEOUT_S)
     try:
         yield srv
     finally:

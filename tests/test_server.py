@@ -12,7 +12,6 @@ import pytest
 
 from lifeline import LLM, SamplingParams
 from lifeline.engine.engine import EngineConfig
-from lifeline.model.loader import load_model
 from lifeline.observe import STAGES
 from lifeline.server.config import ServerConfig
 from lifeline.server.testing import ServerThread
@@ -30,8 +29,8 @@ LONG_PROMPT = ("You are a careful assistant who answers questions about geograph
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model()
+def loaded(default_model):
+    return default_model
 
 
 @pytest.fixture(scope="module")

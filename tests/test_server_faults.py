@@ -20,7 +20,6 @@ from gguf import GGUFReader
 
 from lifeline.engine.engine import EngineConfig
 from lifeline.model.default import default_model_path
-from lifeline.model.loader import load_model
 from lifeline.server.config import ServerConfig
 from lifeline.server.testing import ServerThread, free_port
 
@@ -29,8 +28,8 @@ FAULT = {"X-Lifeline-Fault": "step"}
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model()
+def loaded(default_model):
+    return default_model
 
 
 @pytest.fixture(scope="module")

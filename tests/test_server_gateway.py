@@ -10,7 +10,6 @@ import openai
 import pytest
 
 from lifeline.engine.engine import EngineConfig
-from lifeline.model.loader import load_model
 from lifeline.server.config import ServerConfig
 from lifeline.server.testing import ServerThread
 
@@ -21,8 +20,8 @@ LONG = {"model": MODEL, "prompt": "Write a long story about a dragon.", "max_tok
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model()
+def loaded(default_model):
+    return default_model
 
 
 def _server(loaded, **kwargs) -> ServerThread:

@@ -16,7 +16,6 @@ import pytest
 
 from lifeline import SamplingParams
 from lifeline.engine.engine import EngineConfig
-from lifeline.model.loader import load_model
 from lifeline.server import limits
 from lifeline.server.config import ServerConfig
 from lifeline.server.testing import ServerThread
@@ -30,8 +29,8 @@ answer of the same server idle, on the same machine)."""
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model()
+def loaded(default_model):
+    return default_model
 
 
 @contextlib.contextmanager

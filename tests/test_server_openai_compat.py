@@ -13,7 +13,6 @@ import pytest
 
 from lifeline import LLM, SamplingParams
 from lifeline.engine.engine import EngineConfig
-from lifeline.model.loader import load_model
 from lifeline.server.config import ServerConfig
 from lifeline.server.protocol import ChatCompletionRequest
 from lifeline.server.testing import ServerThread
@@ -31,8 +30,8 @@ START_TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model()
+def loaded(default_model):
+    return default_model
 
 
 @pytest.fixture(scope="module")

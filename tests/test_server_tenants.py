@@ -8,7 +8,6 @@ import pytest
 
 from lifeline import LLM, SamplingParams
 from lifeline.engine.engine import EngineConfig
-from lifeline.model.loader import load_model
 from lifeline.server.config import ServerConfig
 from lifeline.server.protocol import MAX_CACHE_SALT_CHARS
 from lifeline.server.testing import ServerThread
@@ -19,8 +18,8 @@ SYSTEM = ("You are a careful assistant who answers questions about geography, hi
 
 
 @pytest.fixture(scope="module")
-def loaded():
-    return load_model()
+def loaded(default_model):
+    return default_model
 
 
 def _engine() -> EngineConfig:
