@@ -70,6 +70,21 @@ def test_a_faulty_request_fails_alone_and_the_others_finish(loaded):
     assert _free_everywhere(engine) and not engine.requests
 
 
+def test_a_request_outlives_any_number_of_faulty_neighbours(loaded):
+    """Each faulty newcomer fails its shared step; the long request beside them is cleared by
+    its step alone every time, so it is never failed for being near them."""
+    engine = _engine(loaded)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    good = engine.add_request([2, 10, 11, 12], params)
+    for i in range(5):
+        engine.step()
+        engine.step()
+        engine.add_request([2, 40 + i, 50], GREEDY, fault="step")
+    _run(engine)
+    assert good.error is None and good.num_output_tokens == 20
+    assert engine.step_errors.requests_failed == 5
+
+
 def test_isolated_requests_give_the_same_tokens_as_an_undisturbed_run(loaded):
     """Recomputing the victims of a failed step changes nothing they produce."""
     prompts = [[2, 100 + i, 200, 300, 400] for i in range(3)]

@@ -24,7 +24,8 @@ from lifeline.tokenizer import IncrementalDetokenizer
 
 log = logging.getLogger("lifeline.engine")
 MAX_STEP_FAILURES = 3
-"""A request in this many steps that raised fails, even if it never raised alone."""
+"""A request in this many steps that raised, with no step of it alone succeeding in between,
+fails even if it never raised alone."""
 
 
 class InjectedFault(RuntimeError):

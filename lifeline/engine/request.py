@@ -98,7 +98,7 @@ class Request:
     suspect: bool = False
     """Was in a step that raised: runs alone until a step of it succeeds."""
     num_step_failures: int = 0
-    """Steps that raised while running this request."""
+    """Steps that raised while running this request since it last ran alone without raising."""
     fault: str | None = None
     """A fault to inject when a step runs this request ('step': that step raises), set only
     by a server started with fault injection on."""

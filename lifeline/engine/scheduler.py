@@ -161,7 +161,8 @@ class Scheduler:
         finished = []
         for s in out.scheduled:
             req = s.request
-            req.suspect = False
+            if req.suspect:  # it ran alone and did not raise: not the culprit
+                req.suspect, req.num_step_failures = False, 0
             req.num_computed_tokens += s.num_new_tokens
             self.kv.commit(req)
             if not s.samples or sampled is None:
