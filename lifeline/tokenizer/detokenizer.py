@@ -1,81 +1,46 @@
 """Streaming text out of a stream of token ids, never showing half a character."""
 from __future__ import annotations
 
-import codecs
 from collections.abc import Sequence
 
 from lifeline.tokenizer.base import Tokenizer
 
-# The byte after an incomplete UTF-8 sequence of one byte that may continue it, by lead byte
-# (Unicode table 3-7); after two or three bytes any continuation byte may.
-_SECOND = {0xE0: (0xA0, 0xBF), 0xED: (0x80, 0x9F), 0xF0: (0x90, 0xBF), 0xF4: (0x80, 0x8F)}
-_CONTINUATION = (0x80, 0xBF)
-
-
-def _continues(pending: bytes, byte: int) -> bool:
-    """Whether `byte` extends `pending`, an incomplete but valid UTF-8 sequence."""
-    low, high = _SECOND.get(pending[0], _CONTINUATION) if len(pending) == 1 else _CONTINUATION
-    return low <= byte <= high
+_REPLACEMENT = "\ufffd"
 
 
 class IncrementalDetokenizer:
     """Each `step` returns the text the new ids add. The deltas, with `flush()` at the end, add up
     to `tokenizer.decode(all_ids, skip_special_tokens)`.
 
-    Text is decoded in short windows, as in vLLM: `prefix_offset..read_offset` holds tokens
-    already shown (context, so a SentencePiece space decodes as it will in the whole text),
-    `read_offset..cut` the ones shown now. The cut is the last token boundary where no UTF-8
-    sequence is pending: the tokens' bytes (`token_to_bytes`) run through a UTF-8 decoder, and a
-    boundary counts once the bytes before it decode for good (a character or a U+FFFD that no later
-    byte can change). Tokens after the cut, at most one incomplete sequence's worth, wait
-    undecoded; so every token is decoded a bounded number of times, however long the output stays
-    incomplete (a run of stray continuation bytes, say)."""
+    Only a short window is decoded per step, as in vLLM: `prefix_offset..read_offset` holds tokens
+    already shown (context, so a SentencePiece space or a byte sequence decodes as it will in the
+    whole text), `read_offset..` the ones not shown yet. Text ending in U+FFFD is an incomplete
+    UTF-8 sequence and is held back until a later token completes it."""
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self._skip = tokenizer.special_token_ids if skip_special_tokens else frozenset()
         self.token_ids: list[int] = []
-        self._parts: list[str] = []
+        self.text = ""
         self._prefix_offset = 0
         self._read_offset = 0
-        self._shown = 0  # length of the decoded text of prefix_offset..read_offset
-        self._cut = 0
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace")
-
-    @property
-    def text(self) -> str:
-        return "".join(self._parts)
 
     def step(self, new_token_ids: Sequence[int]) -> str:
-        for token_id in new_token_ids:
-            self._scan(token_id)
-        return self._emit(self._cut)
+        self.token_ids.extend(new_token_ids)
+        return self._emit(final=False)
 
     def flush(self) -> str:
         """Whatever was held back (an incomplete character shows as U+FFFD, as in `decode`)."""
-        return self._emit(len(self.token_ids))
+        return self._emit(final=True)
 
-    def _scan(self, token_id: int) -> None:
-        """Append `token_id`, moving the cut to the last boundary no later byte can move."""
-        data = b"" if token_id in self._skip else self.tokenizer.token_to_bytes(token_id)
-        pending = self._utf8.getstate()[0]
-        if not pending or (data and not _continues(pending, data[0])):
-            self._cut = len(self.token_ids)
-        self.token_ids.append(token_id)
-        self._utf8.decode(data)
-        if not self._utf8.getstate()[0]:
-            self._cut = len(self.token_ids)
-
-    def _emit(self, cut: int) -> str:
-        if cut <= self._read_offset:
+    def _emit(self, final: bool) -> str:
+        shown = self._decode(self._prefix_offset, self._read_offset)
+        window = self._decode(self._prefix_offset, len(self.token_ids))
+        if len(window) <= len(shown) or (window.endswith(_REPLACEMENT) and not final):
             return ""
-        window = self._decode(self._prefix_offset, cut)
-        delta = window[self._shown:]
-        fresh = self._prefix_offset == self._read_offset
-        self._shown = len(window) if fresh else len(self._decode(self._read_offset, cut))
-        self._prefix_offset, self._read_offset = self._read_offset, cut
-        self._parts.append(delta)
+        delta = window[len(shown):]
+        self._prefix_offset, self._read_offset = self._read_offset, len(self.token_ids)
+        self.text += delta
         return delta
 
     def _decode(self, start: int, end: int) -> str:
