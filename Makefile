@@ -19,8 +19,8 @@ install: $(VENV)/.installed
 SERVER_TESTS := $(sort $(wildcard tests/test_server*.py)) tests/test_hostile_inputs.py
 
 test: install
-	$(PY) -m pytest -q tests $(addprefix --ignore=,$(SERVER_TESTS))
-	$(PY) -m pytest -q $(SERVER_TESTS)
+	$(PY) -m pytest -q --durations=25 tests $(addprefix --ignore=,$(SERVER_TESTS))
+	$(PY) -m pytest -q --durations=25 $(SERVER_TESTS)
 
 serve: install
 	$(VENV)/bin/lifeline serve $(SERVE_ARGS)

@@ -26,7 +26,7 @@ from lifeline.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from lifeline.server.state import LoadedOrLoader, ServerState
+from lifeline.server.state import LoadedOrLoader, ServerState, thaw_heap
 
 JSON_PIECE = 8192
 """Token ids serialized by one `json.dumps` call in a `/tokenize` answer."""
@@ -56,6 +56,7 @@ def create_app(loaded_model: LoadedOrLoader, config: ServerConfig | None = None)
                 loader.cancel()
             aengine.stop()
             state.tracer.shutdown()
+            thaw_heap()
 
     app = FastAPI(title="Lifeline", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.lifeline = state
