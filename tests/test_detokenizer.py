@@ -112,3 +112,36 @@ def adversarial(tokenizer: Tokenizer) -> dict[str, list[int]]:
         "skipped specials": [special] * 2000,
         "three of four bytes, over and over": [by_byte[b] for b in b"\xf0\x9f\xa6"] * 700,
     }
+
+
+@pytest.mark.parametrize("which", ["tok", "hf_tok"])
+def test_work_per_token_is_bounded_on_output_that_never_completes(request, which):
+    inner = request.getfixturevalue(which)
+    for name, ids in adversarial(inner).items():
+        counting = CountingTokenizer(inner)
+        detok = IncrementalDetokenizer(counting, skip_special_tokens=True)
+        longest_step = 0
+        for token_id in ids:
+            before = sum(counting.calls)
+            detok.step([token_id])
+            longest_step = max(longest_step, sum(counting.calls) - before)
+        text = detok.text + detok.flush()
+        assert text == inner.decode(ids, True), name
+        assert sum(counting.calls) <= 4 * len(ids) + 8, name
+        assert longest_step <= 12, name
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_specials_between_words_keep_the_space_that_decode_keeps(spaced_tok, skip):
+    """A window must not start at a skipped BOS: decode drops a leading BOS and then strips the
+    next token's SentencePiece space, which the whole text keeps ('0<bos>0' is '0 0')."""
+    word = spaced_tok.encode("0", add_special_tokens=False)
+    bos = spaced_tok.bos_token_id
+    other = max(spaced_tok.special_token_ids - {bos})
+    cases = [[*word, bos, *word], [bos, *word, bos, *word], [bos, bos, *word],
+             [other, *word, *word], [bos, other, other, *word], [*word, *[bos] * 50, *word],
+             [*[other] * 50, *word, other, *word]]
+    for ids in cases:
+        for chunk in (1, 2, 3):
+            assert stream(spaced_tok, ids, [chunk] * len(ids), skip) == \
+                spaced_tok.decode(ids, skip), (ids, chunk)
