@@ -1,5 +1,9 @@
-"""The default model, loaded once for the whole run: the modules that only read it (float32
-weights, no compile) share it instead of each holding a copy of its own."""
+"""Fixtures every module may use. The default model is loaded once for the whole run: the
+modules that only read it (float32 weights, no compile) share it instead of each holding a copy
+of its own. A module that starts a server defines `server` (its own configuration); `http` and
+`client` then talk to that server."""
+import httpx
+import openai
 import pytest
 
 from lifeline.model.loader import load_model
@@ -8,3 +12,21 @@ from lifeline.model.loader import load_model
 @pytest.fixture(scope="session")
 def default_model():
     return load_model()
+
+
+@pytest.fixture(scope="module")
+def loaded(default_model):
+    return default_model
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.base_url, timeout=600) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    """The official OpenAI client, without retries (a retry would hide a server's error)."""
+    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=600,
+                         max_retries=0)

@@ -19,11 +19,6 @@ GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def loaded(default_model):
-    return default_model
-
-
-@pytest.fixture(scope="module")
 def prompts():
     return [SYSTEM + q for q in QUESTIONS] + PLAIN
 

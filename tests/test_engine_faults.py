@@ -10,11 +10,6 @@ from lifeline.engine.sampling_params import SamplingParams
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
 
-@pytest.fixture(scope="module")
-def loaded(default_model):
-    return default_model
-
-
 def _engine(loaded, **kw) -> LLMEngine:
     return LLMEngine(loaded, EngineConfig(**{"kv_cache_memory_bytes": 64 << 20, **kw}))
 

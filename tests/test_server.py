@@ -6,7 +6,6 @@ import json
 import math
 import time
 
-import httpx
 import openai
 import pytest
 
@@ -29,27 +28,10 @@ LONG_PROMPT = ("You are a careful assistant who answers questions about geograph
 
 
 @pytest.fixture(scope="module")
-def loaded(default_model):
-    return default_model
-
-
-@pytest.fixture(scope="module")
 def server(loaded):
     config = ServerConfig(engine=EngineConfig(kv_cache_memory_bytes=256 << 20))
     with ServerThread(loaded, config) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=120,
-                         max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=60) as c:
-        yield c
 
 
 def _extra(obj, name):

@@ -6,7 +6,6 @@ chain; `logit_bias` (a real sampling feature) switches it to another chain."""
 import json
 
 import httpx
-import openai
 import pytest
 import torch
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
@@ -88,12 +87,6 @@ def server(tiny):
     with ServerThread(loaded, _config(path)) as srv:
         srv.token_id = tokenizer._tk.token_to_id
         yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0,
-                         timeout=60)
 
 
 def test_reasoning_and_a_tool_call_in_one_response(client):

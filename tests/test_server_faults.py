@@ -28,11 +28,6 @@ FAULT = {"X-Lifeline-Fault": "step"}
 
 
 @pytest.fixture(scope="module")
-def loaded(default_model):
-    return default_model
-
-
-@pytest.fixture(scope="module")
 def server(loaded):
     config = ServerConfig(enable_fault_injection=True, default_max_tokens=6,
                           engine=EngineConfig(kv_cache_memory_bytes=256 << 20))

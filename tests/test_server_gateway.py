@@ -19,11 +19,6 @@ LONG = {"model": MODEL, "prompt": "Write a long story about a dragon.", "max_tok
         "temperature": 0, "ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def loaded(default_model):
-    return default_model
-
-
 def _server(loaded, **kwargs) -> ServerThread:
     engine = kwargs.pop("engine", EngineConfig(kv_cache_memory_bytes=SMALL_KV))
     return ServerThread(loaded, ServerConfig(engine=engine, **kwargs))

@@ -28,11 +28,6 @@ HEALTH_BOUND_S = 0.1
 answer of the same server idle, on the same machine)."""
 
 
-@pytest.fixture(scope="module")
-def loaded(default_model):
-    return default_model
-
-
 @contextlib.contextmanager
 def _running(srv: ServerThread):
     """Started with time to spare: on a loaded machine the first start builds native ops."""
@@ -48,18 +43,6 @@ def server(loaded):
     config = ServerConfig(engine=EngineConfig(kv_cache_memory_bytes=KV))
     with _running(ServerThread(loaded, config)) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=600) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="x", max_retries=0,
-                         timeout=600)
 
 
 def _error(r: httpx.Response, status: int, param: str | None) -> dict:

@@ -30,26 +30,9 @@ START_TIMEOUT_S = 600
 
 
 @pytest.fixture(scope="module")
-def loaded(default_model):
-    return default_model
-
-
-@pytest.fixture(scope="module")
 def server(loaded):
     with _serve(loaded, ServerConfig(engine=EngineConfig(kv_cache_memory_bytes=KV))) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=120,
-                         max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

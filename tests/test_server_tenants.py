@@ -17,11 +17,6 @@ SYSTEM = ("You are a careful assistant who answers questions about geography, hi
           "science. Always answer briefly, in one sentence, and say so when you do not know. ")
 
 
-@pytest.fixture(scope="module")
-def loaded(default_model):
-    return default_model
-
-
 def _engine() -> EngineConfig:
     return EngineConfig(kv_cache_memory_bytes=256 << 20)
 
@@ -30,12 +25,6 @@ def _engine() -> EngineConfig:
 def server(loaded):
     with ServerThread(loaded, ServerConfig(engine=_engine())) as srv:
         yield srv
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.base_url + "/v1", api_key="unused", timeout=120,
-                         max_retries=0)
 
 
 def _cached(client: openai.OpenAI, prompt: str, **extra) -> int:

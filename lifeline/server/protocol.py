@@ -52,6 +52,12 @@ def _capped(value: Any, name: str) -> Any:
     return value
 
 
+def _check_generation_prompt(continue_final_message: bool, add_generation_prompt: bool) -> None:
+    if continue_final_message and add_generation_prompt:
+        raise ParamError("continue_final_message and add_generation_prompt exclude each other; "
+                         "set add_generation_prompt to false", "continue_final_message")
+
+
 def _check_tools_size(tools: list[dict[str, Any]] | None) -> None:
     if tools and _json_size(tools, MAX_TOOLS_CHARS) > MAX_TOOLS_CHARS:
         raise ParamError(f"tools may be at most {MAX_TOOLS_CHARS} characters in all", "tools")
@@ -218,10 +224,7 @@ class ChatCompletionRequest(_SamplingBody):
             raise ParamError("tool_choice needs tools", "tool_choice")
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs needs logprobs to be true", "top_logprobs")
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ParamError("continue_final_message and add_generation_prompt exclude each "
-                             "other; set add_generation_prompt to false",
-                             "continue_final_message")
+        _check_generation_prompt(self.continue_final_message, self.add_generation_prompt)
         for tool in self.tools or []:
             if tool.get("type", "function") != "function" or not isinstance(
                     tool.get("function"), dict) or "name" not in tool["function"]:
@@ -355,10 +358,7 @@ class TokenizeRequest(_Body):
 
     @model_validator(mode="after")
     def _chat_options(self) -> TokenizeRequest:
-        if self.continue_final_message and self.add_generation_prompt:
-            raise ParamError("continue_final_message and add_generation_prompt exclude each "
-                             "other; set add_generation_prompt to false",
-                             "continue_final_message")
+        _check_generation_prompt(self.continue_final_message, self.add_generation_prompt)
         return self
 
 
