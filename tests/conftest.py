@@ -14,6 +14,17 @@ def default_model():
     return load_model()
 
 
+@pytest.fixture(scope="session")
+def gemma3_reference():
+    """transformers' Gemma 3 in float32 holding the default model's weights (the reference the
+    engine and every weight format are held to), built once."""
+    from lifeline.model.default import default_model_path
+    from tests.reference.gemma3_hf import build_reference_gemma3
+
+    model, _ = build_reference_gemma3(default_model_path())
+    return model
+
+
 @pytest.fixture(scope="module")
 def loaded(default_model):
     return default_model

@@ -9,8 +9,7 @@ import pytest
 import torch
 
 from lifeline import LLM, SamplingParams
-from lifeline.model.default import default_model_path
-from tests.reference.gemma3_hf import build_reference_gemma3, reference_greedy, reference_logits
+from tests.reference.gemma3_hf import reference_greedy, reference_logits
 
 FIXTURES = json.loads((Path(__file__).parent / "fixtures" / "gemma3_llamacpp.json").read_text())
 PROMPTS = {p["name"]: p for p in FIXTURES["prompts"]}
@@ -25,14 +24,13 @@ scripts/check_reference.py: partings at reference preferences of 0.005 to 0.277.
 
 
 @pytest.fixture(scope="module")
-def llm():
-    return LLM(max_num_batched_tokens=512)
+def llm(default_model):
+    return LLM(default_model, max_num_batched_tokens=512)
 
 
 @pytest.fixture(scope="module")
-def reference():
-    model, _ = build_reference_gemma3(default_model_path())
-    return model
+def reference(gemma3_reference):
+    return gemma3_reference
 
 
 def test_long_prompt_exercises_window_global_layers_and_chunks():

@@ -7,7 +7,6 @@ import transformers
 from torch import nn
 
 from lifeline import LLM, SamplingParams
-from lifeline.model.default import default_model_path
 from lifeline.model.loader import load_model
 from lifeline.model.weight_format import (
     BF16Linear,
@@ -21,7 +20,6 @@ from lifeline.model.weight_format import (
     shortlist_argmax,
     top_logits,
 )
-from tests.reference.gemma3_hf import build_reference_gemma3
 from tests.reference.llamacpp_agreement import parting
 from tests.test_gemma3_reference import LONG, PROMPTS
 
@@ -35,8 +33,8 @@ def _perplexity(logits: torch.Tensor, ids: list[int]) -> float:
 
 
 @pytest.fixture(scope="module")
-def fp32_logits():
-    return LLM(load_model(), max_num_batched_tokens=512).prompt_logits(ESSAY)
+def fp32_logits(default_model):
+    return LLM(default_model, max_num_batched_tokens=512).prompt_logits(ESSAY)
 
 
 @pytest.fixture(scope="module", params=["bf16", "int8", "int8-all", "int8-all+compile"])
@@ -58,16 +56,15 @@ def test_fast_head_keeps_perplexity_within_2_percent_and_greedy_choices_close(fa
     assert abs(ppl_fast / ppl_fp32 - 1) < 0.02, (ppl_fp32, ppl_fast)
 
 
-def test_fast_head_follows_llamacpp_greedy_text_up_to_ties(fast_llm):
+def test_fast_head_follows_llamacpp_greedy_text_up_to_ties(fast_llm, gemma3_reference):
     if fast_llm.engine.compiled and not onednn_int8():
         pytest.skip("parts from llama.cpp at 'story' step 3 on a CPU whose oneDNN int8 GEMM "
                     "is absent or saturates (AMD EPYC, 2026-12-01; fails at dbf5f1b too)")
-    reference, _ = build_reference_gemma3(default_model_path())
     for prompt in PROMPTS.values():
         n = len(prompt["completion_ids"])
         params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
         ours = fast_llm.generate({"prompt_token_ids": prompt["prompt_ids"]}, params)[0].token_ids
-        part = parting(reference, prompt, ours)
+        part = parting(gemma3_reference, prompt, ours)
         assert part.ok, part
 
 
