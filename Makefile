@@ -14,13 +14,24 @@ $(VENV)/.installed: pyproject.toml
 
 install: $(VENV)/.installed
 
-# Two processes: the modules that start servers hold engines (KV pools, threads) for their
-# duration; a process of their own returns that memory before the rest runs.
+# Two processes at once, then one alone. The modules that start servers hold engines (KV
+# pools, threads) for their duration, so they get a process of their own (with the weight-format
+# study, to even the halves); each half keeps about one core busy. The tests marked `alone`
+# bound /health latency and run last, with the machine to themselves.
 SERVER_TESTS := $(sort $(wildcard tests/test_server*.py)) tests/test_hostile_inputs.py
+SECOND_HALF := $(SERVER_TESTS) tests/test_weight_format.py
+PYTEST := $(PY) -m pytest -q --durations=15
 
 test: install
-	$(PY) -m pytest -q --durations=25 tests $(addprefix --ignore=,$(SERVER_TESTS))
-	$(PY) -m pytest -q --durations=25 $(SERVER_TESTS)
+	@$(PYTEST) -m "not alone" tests $(addprefix --ignore=,$(SECOND_HALF)) > .test-first.log 2>&1 & \
+	first=$$!; \
+	$(PYTEST) -m "not alone" $(SECOND_HALF); second=$$?; \
+	wait $$first; first=$$?; \
+	echo "---- the first half (tests/ less the server modules) ----"; cat .test-first.log; \
+	echo "---- the latency-bound tests, alone ----"; \
+	$(PYTEST) -m alone tests; alone=$$?; \
+	echo "exit codes: first half $$first, second half $$second, alone $$alone"; \
+	test $$first -eq 0 -a $$second -eq 0 -a $$alone -eq 0
 
 serve: install
 	$(VENV)/bin/lifeline serve $(SERVE_ARGS)

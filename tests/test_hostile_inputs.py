@@ -26,6 +26,7 @@ from lifeline.engine.engine import EngineConfig
 from lifeline.server.config import ServerConfig
 from lifeline.server.testing import ServerThread
 
+pytestmark = pytest.mark.alone  # every test bounds /health latency
 MODEL = "gemma-3-270m"
 HEALTH_LIMIT_S = 0.2
 """The issue's 100 ms with 2x slack: the probe shares a 2-core machine (and the GIL) with the

@@ -135,6 +135,7 @@ def _wait_for_idle(srv: ServerThread, timeout: float = 30) -> None:
     raise AssertionError("the engine did not go idle")
 
 
+@pytest.mark.alone
 def test_health_answers_within_two_seconds_while_sixteen_long_requests_run(loaded):
     engine = EngineConfig(kv_cache_memory_bytes=SMALL_KV, max_num_seqs=16)
     with _server(loaded, engine=engine) as srv:
@@ -199,6 +200,7 @@ def test_client_disconnect_mid_stream_aborts_and_frees_kv_blocks(loaded):
                              ).status_code == 200
 
 
+@pytest.mark.alone
 def test_a_runaway_request_template_is_stopped_with_400_and_health_stays_fast(loaded):
     with _server(loaded, allow_request_chat_template=True) as srv:
         async def scenario():
@@ -223,6 +225,7 @@ def test_a_runaway_request_template_is_stopped_with_400_and_health_stays_fast(lo
         assert own.status_code == 200 and own.json()["usage"]["prompt_tokens"] >= 1
 
 
+@pytest.mark.alone
 def test_tokenizing_a_huge_prompt_does_not_stall_the_event_loop(loaded):
     with _server(loaded) as srv:
         async def scenario():

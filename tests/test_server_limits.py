@@ -329,6 +329,7 @@ def _poller(server: ServerThread, seconds: float) -> subprocess.Popen:
     return poller
 
 
+@pytest.mark.alone
 def test_health_stays_fast_while_the_largest_requests_are_prepared(server):
     bodies = _heavy_bodies()
     idle = _poller(server, 3)
