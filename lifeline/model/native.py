@@ -41,8 +41,8 @@ def native_ops() -> bool:
 
     The build (or the check that the cached build is current) runs in a child process, which
     prints where the library is; this process only loads it. Run here, `cpp_extension.load`
-    left PyTorch's own parallel kernels ~7x slower for the rest of the process (index_select +
-    SDPA over 8 x 176 slots: 134 -> 928 us; loading the built library alone: no change)."""
+    left PyTorch's own parallel kernels several times slower for the rest of the process
+    (docs/performance.md; loading the built library alone changes nothing)."""
     with _lock:
         try:
             built = subprocess.run([sys.executable, "-c", _BUILD, str(SOURCE)], check=True,
