@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 QKV = ("qkv_proj", ("q_proj", "k_proj", "v_proj"))
 GATE_UP = ("gate_up_proj", ("gate_proj", "up_proj"))
 _DECODER = frozenset({
-    "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+    "vocab_size", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
     "intermediate_size", "rms_norm_eps", "rope_theta", "rope_scaling", "sliding_window",
     "layer_types", "max_position", "query_pre_attn_scalar", "hidden_act"})
 _MOE = frozenset({
@@ -101,10 +101,10 @@ register(ModelFamily(
     "llama", "lifeline.model.llama:LlamaForCausalLM",
     ("llama", "LlamaForCausalLM", "qwen2", "Qwen2ForCausalLM", "qwen3", "Qwen3ForCausalLM",
      "mistral", "MistralForCausalLM"),
-    _DECODER | {"qk_norm", "attention_bias"}))
+    _DECODER | {"num_layers", "qk_norm", "attention_bias"}))
 register(ModelFamily(
     "moe", "lifeline.model.moe:MoEForCausalLM",
     ("qwen3_moe", "Qwen3MoeForCausalLM", "qwen2_moe", "Qwen2MoeForCausalLM", "mixtral",
      "MixtralForCausalLM"),
-    _DECODER | {"qk_norm", "attention_bias"} | _MOE, routed_experts=True,
+    _DECODER | {"num_layers", "qk_norm", "attention_bias"} | _MOE, routed_experts=True,
     compiles=False))  # routing gives each expert a data-dependent number of tokens
