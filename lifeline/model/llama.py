@@ -9,6 +9,7 @@ from lifeline.model.layers.attention import PagedAttention
 from lifeline.model.layers.linear import GatedMLP, linear, project
 from lifeline.model.layers.norm import RMSNorm
 from lifeline.model.layers.rotary import RotaryEmbedding
+from lifeline.model.registry import QKV
 
 
 class LlamaAttention(nn.Module):
@@ -30,7 +31,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = project(self, x, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+        q, k, v = project(self, x, *QKV)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)

@@ -5,8 +5,8 @@
 - `lifeline_ext::decode_attention`: decode attention read straight from the paged KV cache
   (lifeline/model/layers/attention.py), without copying each context out first.
 
-Built once per machine and PyTorch with the system's C++ compiler and ninja (~20 s on 2 cores;
-PyTorch caches the library under ~/.cache/torch_extensions). Where it cannot be built, the
+Built once per machine and PyTorch with the system's C++ compiler and ninja (PyTorch caches
+the library under ~/.cache/torch_extensions). Where it cannot be built, the
 callers keep their pure-PyTorch paths: slower, not different (tests/test_native_ops.py holds
 the two to the same results)."""
 from __future__ import annotations
