@@ -15,8 +15,6 @@ from lifeline.model.default import default_model_path
 from lifeline.model.presets import preset_config
 from lifeline.model.registry import build_model
 
-__all__ = ["LoadedModel", "build_model", "init_dummy_weights", "load_model", "load_weights"]
-
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",

@@ -113,8 +113,7 @@ def _context_attention_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l
     return torch.empty_like(q)
 
 
-# Library.impl rather than torch.library.custom_op: its dispatch costs less per call
-_LIB = torch.library.Library("lifeline", "FRAGMENT")
+_LIB = torch.library.Library("lifeline", "FRAGMENT")  # Library.impl: cheaper than custom_op
 _LIB.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale, int? window)"
             " -> Tensor")
 _LIB.impl("paged_attention", _context_attention, "CPU")
