@@ -11,6 +11,8 @@ data that changes every step, as vLLM's attention operator does.
 """
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -89,35 +91,49 @@ class PagedAttention(nn.Module):
     def __init__(self, layer_idx: int, scale: float, window: int | None):
         super().__init__()
         self.layer_idx, self.scale, self.window = layer_idx, scale, window
+        self.handle = next(_handles)
+        """How compiled code names this layer to `lifeline::paged_attention`."""
+        _LAYERS[self.handle] = (layer_idx, scale, window)
+        weakref.finalize(self, _LAYERS.pop, self.handle, None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [N, H, D]; k, v: [N, KVH, D] for the step's new tokens. Returns [N, H, D]."""
         if torch.compiler.is_compiling():
-            return torch.ops.lifeline.paged_attention(q, k, v.contiguous(), self.layer_idx,
-                                                      self.scale, self.window)
-        return _context_attention(q, k, v, self.layer_idx, self.scale, self.window)
+            return torch.ops.lifeline.paged_attention(q, k, v.contiguous(), self.handle)
+        return context_attention(q, k, v, self.layer_idx, self.scale, self.window)
 
     def extra_repr(self) -> str:
         return f"layer_idx={self.layer_idx}, scale={self.scale:.4g}, window={self.window}"
 
 
-def _context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                       scale: float, window: int | None) -> torch.Tensor:
+def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                      scale: float, window: int | None) -> torch.Tensor:
+    """`paged_attention` over layer `layer`'s pool and the step's metadata, from the forward
+    context."""
     context = get_context()
     k_cache, v_cache = context.kv_caches[layer]
     return paged_attention(q, k, v, k_cache, v_cache, context.meta, scale, window)
 
 
-def _context_attention_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
-                            scale: float, window: int | None) -> torch.Tensor:
+_LAYERS: dict[int, tuple[int, float, int | None]] = {}
+"""handle -> (layer index, scale, window) of a live `PagedAttention`."""
+_handles = itertools.count()
+
+
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int
+                  ) -> torch.Tensor:
+    return context_attention(q, k, v, *_LAYERS[handle])
+
+
+def _attention_op_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int
+                       ) -> torch.Tensor:
     return torch.empty_like(q)
 
 
 _LIB = torch.library.Library("lifeline", "FRAGMENT")  # Library.impl: cheaper than custom_op
-_LIB.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale, int? window)"
-            " -> Tensor")
-_LIB.impl("paged_attention", _context_attention, "CPU")
-_LIB.impl("paged_attention", _context_attention_meta, "Meta")
+_LIB.define("paged_attention(Tensor q, Tensor k, Tensor v, int handle) -> Tensor")
+_LIB.impl("paged_attention", _attention_op, "CPU")
+_LIB.impl("paged_attention", _attention_op_meta, "Meta")
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
