@@ -7,13 +7,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
 from lifeline.model import registry
 from lifeline.model.config import ModelConfig, config_from_gguf, config_from_hf
 from lifeline.model.default import default_model_path
+from lifeline.model.gguf_file import GGUFFile
 from lifeline.model.presets import preset_config
 from lifeline.model.registry import build_model
+from lifeline.tokenizer import GGUFTokenizer, HFTokenizer
 
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -118,9 +121,6 @@ def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def load_gguf(path: str | Path, dummy: bool = False) -> LoadedModel:
-    from lifeline.model.gguf_file import GGUFFile
-    from lifeline.tokenizer import GGUFTokenizer
-
     gf = GGUFFile(path)
     meta = dict(gf.metadata)
     meta["_has_output_tensor"] = "output.weight" in gf
@@ -137,8 +137,6 @@ def load_gguf(path: str | Path, dummy: bool = False) -> LoadedModel:
 
 
 def _hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
@@ -149,8 +147,6 @@ def _hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_hf(path: str | Path, dummy: bool = False) -> LoadedModel:
-    from lifeline.tokenizer import HFTokenizer
-
     path = Path(path)
     cfg = config_from_hf(path)
     model = build_model(cfg)
