@@ -49,10 +49,16 @@ class ModelFamily:
     """Which layers slide where the config has a window: all but every `global_every`-th
     layer, which attends globally; 0: every layer."""
     norms_per_layer: int = 2
+    """RMSNorm weights per decoder layer (parameter counts)."""
     gguf_ffn_norm: str = "post_attention_layernorm"
     """The module a GGUF file's `blk.N.ffn_norm` is."""
     routed_experts: bool = False
     """Sparse MoE blocks: the config carries the MoE fields."""
+
+    def __post_init__(self) -> None:
+        if ":" not in self.model_class or not self.architectures:
+            raise ValueError(f"{self.name}: give model_class as 'module:Class' and at least "
+                             "one architecture name")
 
     def model(self) -> type[nn.Module]:
         module, _, cls = self.model_class.partition(":")
