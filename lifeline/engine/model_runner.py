@@ -9,6 +9,7 @@ from torch import nn
 from lifeline.engine.request import Request
 from lifeline.engine.scheduler import ScheduledRequest, SchedulerOutput
 from lifeline.model.config import ModelConfig
+from lifeline.model.context import forward_context
 from lifeline.model.layers.attention import AttentionMetadata, PrefillSeq
 
 
@@ -64,7 +65,7 @@ class ModelRunner:
 
         if self.device.type != "cpu" or not supports_compile(self.model):
             return False
-        self.forward = compile_forward(self.model, self.kv_caches)
+        self.forward = compile_forward(self.model)
         return True
 
     @staticmethod
@@ -169,8 +170,8 @@ class ModelRunner:
     def execute(self, inputs: StepInputs) -> torch.Tensor:
         """Logits `[len(logit_rows), vocab]` in float32."""
         dev = self.device
-        hidden = self.forward(inputs.input_ids.to(dev), inputs.positions.to(dev), self.kv_caches,
-                            inputs.meta.to(dev))
+        with forward_context(inputs.meta.to(dev), self.kv_caches):
+            hidden = self.forward(inputs.input_ids.to(dev), inputs.positions.to(dev))
         self.last_argmax = None
         if inputs.logit_rows.numel() == 0:
             return hidden.new_empty(0, self.config.vocab_size)

@@ -3,8 +3,8 @@ serve`'s default).
 
 In eager mode a decode step of one request is hundreds of small kernels (norms, RoPE, residual
 adds, GeGLU), each paying PyTorch's dispatch, for a few hundred floats of work; Inductor fuses
-them into a few C++ loops (docs/performance.md: one request 14.7 -> 11.3 ms a step). Two parts
-of a step stay opaque to the compiler, as custom operators:
+them into a few C++ loops (docs/performance.md, "Compiled forward"). Two parts of a step stay
+opaque to the compiler, as custom operators:
 
 - `lifeline::int8_linear`: fbgemm's int8 GEMM takes its packed weights as a TorchScript object,
   which Dynamo cannot trace; the operator takes the layer's handle instead (in C++ where
@@ -12,10 +12,11 @@ of a step stay opaque to the compiler, as custom operators:
   rotation and per-row scales around it stay in the graph (`Int8Linear._traced_int8_matmul`).
   Only lone rows take it: batches go through oneDNN's int8 GEMM, which takes plain tensors and
   is traced whole (Inductor calls it as a fallback kernel: `_onednn_int8_as_is`).
-- `lifeline::paged_attention`: the step's KV-cache layout (block tables, prefill chunks, a
-  hybrid model's second pool) is Python data that changes every step; the operator reads it
-  from the step context set before the compiled call, as vLLM's attention operator does.
+- `lifeline::paged_attention` (lifeline/model/layers/attention.py): attention reads the step's
+  KV pools and layout from the forward context, in compiled mode as in eager.
 
+The compiled function has the model's own signature, `(input_ids, positions)`, and runs inside
+the same forward context the eager model does; nothing here is specific to a model family.
 Shapes are dynamic in the token count, so one graph serves every batch and chunk size from 2
 tokens up; Dynamo specializes a step of one token (a lone decode) into a graph of its own.
 Guards on module attributes are skipped: the compiled function belongs to one model whose
@@ -24,7 +25,6 @@ structure does not change after `compile_forward`.
 from __future__ import annotations
 
 import functools
-import threading
 import types
 import weakref
 from collections.abc import Callable
@@ -33,8 +33,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from lifeline.model.layers.attention import paged_attention
 from lifeline.model.native import native_ops
+from lifeline.model.registry import family_of
 
 
 def _onednn_int8_as_is() -> None:
@@ -51,16 +51,13 @@ def _onednn_int8_as_is() -> None:
 if hasattr(torch.ops.onednn, "qlinear_pointwise"):
     _onednn_int8_as_is()
 
-_LIB = torch.library.Library("lifeline", "DEF")
+_LIB = torch.library.Library("lifeline", "FRAGMENT")
 _LIB.define("int8_linear(Tensor x, int handle) -> Tensor")
-_LIB.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer) -> Tensor")
 
 _GEMMS: dict[int, tuple[Any, bool, int]] = {}
 """handle -> (fbgemm's packed weights, reduce_range, out_features) of a live int8 layer."""
 _linear_dynamic = torch.ops.quantized.linear_dynamic.default
 _next_handle = iter(range(1 << 62))
-_step = threading.local()
-"""The running step of this thread: kv_caches, attention modules by layer, metadata."""
 
 
 def _int8_linear(x: torch.Tensor, handle: int) -> torch.Tensor:
@@ -72,23 +69,9 @@ def _int8_linear_meta(x: torch.Tensor, handle: int) -> torch.Tensor:
     return x.new_empty(x.shape[0], _GEMMS[handle][2])
 
 
-def _paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
-                     ) -> torch.Tensor:
-    attn = _step.attention[layer]
-    k_cache, v_cache = _step.kv_caches[layer]
-    return paged_attention(q, k, v, k_cache, v_cache, _step.meta, attn.scale, attn.window)
-
-
-def _paged_attention_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int
-                          ) -> torch.Tensor:
-    return torch.empty_like(q)
-
-
-# Library.impl, not torch.library.custom_op: the same dispatch for ~1.5 us a call instead of ~5
+# Library.impl rather than torch.library.custom_op: its dispatch costs less per call
 _LIB.impl("int8_linear", _int8_linear, "CPU")
 _LIB.impl("int8_linear", _int8_linear_meta, "Meta")
-_LIB.impl("paged_attention", _paged_attention, "CPU")
-_LIB.impl("paged_attention", _paged_attention_meta, "Meta")
 
 
 _EXT = torch.library.Library("lifeline_ext", "IMPL")
@@ -97,8 +80,8 @@ _EXT = torch.library.Library("lifeline_ext", "IMPL")
 @functools.cache
 def native_int8_linear() -> bool:
     """Whether `lifeline_ext::int8_linear` (lifeline/model/native.py) is there: the same GEMM
-    as `lifeline::int8_linear` without a round trip through Python on each call (~13 us of a
-    call; at batch 1, 72 calls a step)."""
+    as `lifeline::int8_linear` without a round trip through Python on each call (at batch 1,
+    one per projection and the head, every step)."""
     if not native_ops():
         return False
     _EXT.impl("int8_linear", _int8_linear_meta, "Meta")
@@ -122,36 +105,25 @@ def register_int8_linear(module: nn.Module) -> int:
     return handle
 
 
-def attention(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              kv_cache: tuple[torch.Tensor, ...] | None, meta: Any) -> torch.Tensor:
-    """A model's paged attention: directly in eager mode, through the custom operator while
-    Dynamo traces (where `kv_cache` and `meta` are None and live in the step context)."""
-    if torch.compiler.is_compiling():
-        return torch.ops.lifeline.paged_attention(q, k, v.contiguous(), module.layer_idx)
-    return paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, module.scale, module.window)
-
-
 def supports_compile(model: nn.Module) -> bool:
-    return bool(getattr(model, "supports_compile", False))
+    """Whether the model's family declares that its forward compiles (lifeline.model.registry)."""
+    return family_of(model).compiles
 
 
-def compile_forward(model: nn.Module, kv_caches: list[tuple[torch.Tensor, ...]]
-                    ) -> Callable[..., torch.Tensor]:
-    """`model(input_ids, positions, kv_caches, meta)` as a compiled function of the same
-    signature. Int8 layers get handles; the first calls of each shape class compile (seconds
-    to a minute; `warmup` runs them)."""
+def compile_forward(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`model(input_ids, positions)` as a compiled function of the same signature, called
+    inside the step's forward context. Int8 layers get handles; the first calls of each shape
+    class compile (`warmup` runs them)."""
     if not supports_compile(model):
         raise ValueError(f"{type(model).__name__} does not support compile")
     for module in model.modules():
         if hasattr(module, "int8_matmul") and not module.rescore_top:
             module.compile_handle = register_int8_linear(module)
             module.compile_op = int8_linear_op()
-    attention_modules = [layer.self_attn for layer in model.layers]
-    none_caches = [None] * len(attention_modules)
     forward = model.forward
 
     def traced(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return forward(input_ids, positions, none_caches, None)
+        return forward(input_ids, positions)
 
     # Dynamo caches graphs by code object and, with module guards skipped, would hand this
     # model a graph traced through another one: each model gets a code object of its own.
@@ -160,15 +132,10 @@ def compile_forward(model: nn.Module, kv_caches: list[tuple[torch.Tensor, ...]]
     compiled = torch.compile(traced, dynamic=None, options={
         "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe})
 
-    def run(input_ids: torch.Tensor, positions: torch.Tensor,
-            caches: list[tuple[torch.Tensor, ...]], meta: Any) -> torch.Tensor:
-        _step.kv_caches, _step.attention, _step.meta = caches, attention_modules, meta
+    def run(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         if input_ids.shape[0] > 1:
             torch._dynamo.maybe_mark_dynamic(input_ids, 0)
             torch._dynamo.maybe_mark_dynamic(positions, 0)
-        try:
-            return compiled(input_ids, positions)
-        finally:
-            _step.meta = None
+        return compiled(input_ids, positions)
 
     return run

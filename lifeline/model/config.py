@@ -6,26 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-FAMILIES = {
-    "gemma3": "gemma3",
-    "gemma3_text": "gemma3",
-    "Gemma3ForCausalLM": "gemma3",
-    "llama": "llama",
-    "LlamaForCausalLM": "llama",
-    "qwen2": "llama",
-    "Qwen2ForCausalLM": "llama",
-    "qwen3": "llama",
-    "Qwen3ForCausalLM": "llama",
-    "mistral": "llama",
-    "MistralForCausalLM": "llama",
-    "qwen3_moe": "moe",
-    "Qwen3MoeForCausalLM": "moe",
-    "qwen2_moe": "moe",
-    "Qwen2MoeForCausalLM": "moe",
-    "mixtral": "moe",
-    "MixtralForCausalLM": "moe",
-}
-MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
+from lifeline.model import registry
 
 
 @dataclass(slots=True)
@@ -82,11 +63,8 @@ class ModelConfig:
 
     @property
     def family(self) -> str:
-        try:
-            return FAMILIES[self.architecture]
-        except KeyError:
-            raise ValueError(f"unsupported architecture {self.architecture!r}; "
-                             f"supported: {sorted(set(FAMILIES))}") from None
+        """The name of its model family (lifeline.model.registry)."""
+        return registry.family(self.architecture).name
 
     @property
     def attn_scale(self) -> float:
@@ -131,7 +109,7 @@ class ModelConfig:
         q, kv = self.num_heads * d, self.num_kv_heads * d
         attn = h * (q + 2 * kv) + q * h
         attn += (q + 2 * kv) * self.attention_bias + 2 * d * self.qk_norm
-        norms = h * (4 if self.family == "gemma3" else 2)
+        norms = h * registry.family(self.architecture).norms_per_layer
         if not self.is_moe_layer(layer_idx):
             return attn + norms + 3 * h * self.intermediate_size
         shared = self.shared_expert_intermediate_size
@@ -143,7 +121,10 @@ class ModelConfig:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
 
 
-def gemma3_layer_types(num_layers: int, pattern: int = 6) -> list[str]:
+def gemma3_layer_types(num_layers: int, pattern: int | None = None) -> list[str]:
+    """Every `pattern`-th layer global, the others sliding (the Gemma 3 family's
+    `global_every` unless given)."""
+    pattern = pattern or registry.family("gemma3").global_every
     return ["full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers)]
 
 
@@ -197,8 +178,10 @@ def config_from_hf(path: str | Path) -> ModelConfig:
     layer_types = raw.get("layer_types") or []
     layer_types = ["sliding" if t == "sliding_attention" else "full" for t in layer_types]
     window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
-    if arch == "gemma3_text" and not layer_types:
-        layer_types = gemma3_layer_types(num_layers, raw.get("sliding_window_pattern", 6))
+    found = registry.find(arch)
+    if found and found.global_every and not layer_types:
+        layer_types = gemma3_layer_types(num_layers,
+                                         raw.get("sliding_window_pattern", found.global_every))
     if window is None or arch in ("qwen2", "qwen3") and not raw.get("use_sliding_window"):
         window, layer_types = None, []
     elif not layer_types:
@@ -229,7 +212,7 @@ def config_from_hf(path: str | Path) -> ModelConfig:
                                raw.get("qkv_bias", arch in ("qwen2", "qwen2_moe"))),
         name=Path(path).name,
     )
-    if arch in MOE_ARCHITECTURES:
+    if found and found.routed_experts:
         _set_moe_fields(cfg, raw)
     return cfg
 

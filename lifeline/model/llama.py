@@ -4,12 +4,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lifeline.model.compiled import attention
 from lifeline.model.config import ModelConfig
-from lifeline.model.layers.attention import AttentionMetadata
+from lifeline.model.layers.attention import PagedAttention
 from lifeline.model.layers.linear import GatedMLP, linear, project
 from lifeline.model.layers.norm import RMSNorm
 from lifeline.model.layers.rotary import RotaryEmbedding
+from lifeline.model.registry import QKV
 
 
 class LlamaAttention(nn.Module):
@@ -26,21 +26,19 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.rotary = rotary
-        self.window = cfg.sliding_window if cfg.layer_types[layer_idx] == "sliding" else None
-        self.scale = cfg.attn_scale
-        self.layer_idx = layer_idx
+        window = cfg.sliding_window if cfg.layer_types[layer_idx] == "sliding" else None
+        self.attn = PagedAttention(layer_idx, cfg.attn_scale, window)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],
-                meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = project(self, x, "qkv_proj", ("q_proj", "k_proj", "v_proj"))
+        q, k, v = project(self, x, *QKV)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        o = attention(self, q, k, v, kv_cache, meta)
+        o = self.attn(q, k, v)
         return self.o_proj(o.reshape(n, -1))
 
 
@@ -52,16 +50,12 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: tuple[torch.Tensor, ...],
-                meta: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, kv_cache, meta)
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class LlamaForCausalLM(nn.Module):
-    supports_compile = True
-    norm_weight_offset = 0.0
-
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
@@ -73,11 +67,12 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_caches: list[tuple[torch.Tensor, ...]], meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Hidden states of the step's tokens; the KV pools and the step's attention metadata
+        come from the forward context (lifeline.model.context)."""
         x = self.embed_tokens(input_ids)
-        for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, positions, kv, meta)
+        for layer in self.layers:
+            x = layer(x, positions)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -7,18 +7,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 from torch import nn
 
+from lifeline.model import registry
 from lifeline.model.config import ModelConfig, config_from_gguf, config_from_hf
-from lifeline.model.gemma3 import Gemma3ForCausalLM
-from lifeline.model.llama import LlamaForCausalLM
-from lifeline.model.moe import MoEForCausalLM
-
-MODEL_CLASSES: dict[str, type[nn.Module]] = {
-    "gemma3": Gemma3ForCausalLM,
-    "llama": LlamaForCausalLM,
-    "moe": MoEForCausalLM,
-}
+from lifeline.model.default import default_model_path
+from lifeline.model.gguf_file import GGUFFile
+from lifeline.model.presets import preset_config
+from lifeline.model.registry import build_model
+from lifeline.tokenizer import GGUFTokenizer, HFTokenizer
 
 _GGUF_LAYER_NAMES = {
     "attn_q": "self_attn.q_proj",
@@ -48,10 +46,6 @@ class LoadedModel:
     tokenizer: object | None
     source: str
     weight_format: str
-
-
-def build_model(cfg: ModelConfig) -> nn.Module:
-    return MODEL_CLASSES[cfg.family](cfg)
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
@@ -107,7 +101,7 @@ def gguf_tensor_name(gguf_name: str) -> str:
 
 
 def _gguf_weights(gf, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    ffn_norm = "pre_feedforward_layernorm" if cfg.family == "gemma3" else "post_attention_layernorm"
+    ffn_norm = registry.family(cfg.architecture).gguf_ffn_norm
     for gguf_name in gf.tensor_names:
         if gguf_name.startswith("rope_freqs"):
             continue
@@ -127,9 +121,6 @@ def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 def load_gguf(path: str | Path, dummy: bool = False) -> LoadedModel:
-    from lifeline.model.gguf_file import GGUFFile
-    from lifeline.tokenizer import GGUFTokenizer
-
     gf = GGUFFile(path)
     meta = dict(gf.metadata)
     meta["_has_output_tensor"] = "output.weight" in gf
@@ -146,8 +137,6 @@ def load_gguf(path: str | Path, dummy: bool = False) -> LoadedModel:
 
 
 def _hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
@@ -158,8 +147,6 @@ def _hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def load_hf(path: str | Path, dummy: bool = False) -> LoadedModel:
-    from lifeline.tokenizer import HFTokenizer
-
     path = Path(path)
     cfg = config_from_hf(path)
     model = build_model(cfg)
@@ -169,15 +156,13 @@ def load_hf(path: str | Path, dummy: bool = False) -> LoadedModel:
         weights = _hf_weights(path)
         if hasattr(model, "convert_hf_weights"):
             weights = model.convert_hf_weights(weights)
-        load_weights(model, weights, getattr(model, "norm_weight_offset", 0.0))
+        load_weights(model, weights, registry.family(cfg.architecture).norm_offset)
     tokenizer = HFTokenizer(path) if (path / "tokenizer.json").exists() else None
     return LoadedModel(model.eval(), cfg, tokenizer, str(path), "safetensors")
 
 
 def load_preset(name: str, seed: int = 0) -> LoadedModel:
     """A preset architecture (lifeline/model/presets.py) with random weights, no tokenizer."""
-    from lifeline.model.presets import preset_config
-
     cfg = preset_config(name)
     model = build_model(cfg)
     init_dummy_weights(model, seed)
@@ -189,8 +174,6 @@ def load_model(path: str | Path | None = None, dummy: bool = False) -> LoadedMod
     if isinstance(path, str) and path.startswith("preset:"):
         return load_preset(path.removeprefix("preset:"))
     if path is None:
-        from lifeline.model.default import default_model_path
-
         path = default_model_path()
     path = Path(path)
     if path.is_dir():

@@ -18,9 +18,6 @@ _PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 
 
 class MoEForCausalLM(LlamaForCausalLM):
-    supports_compile = False
-    """Routing gives each expert a data-dependent number of tokens; MoE models stay eager."""
-
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
         self.moe_stats = MoEStats.for_config(cfg)

@@ -5,8 +5,8 @@
 - `lifeline_ext::decode_attention`: decode attention read straight from the paged KV cache
   (lifeline/model/layers/attention.py), without copying each context out first.
 
-Built once per machine and PyTorch with the system's C++ compiler and ninja (~20 s on 2 cores;
-PyTorch caches the library under ~/.cache/torch_extensions). Where it cannot be built, the
+Built once per machine and PyTorch with the system's C++ compiler and ninja (PyTorch caches
+the library under ~/.cache/torch_extensions). Where it cannot be built, the
 callers keep their pure-PyTorch paths: slower, not different (tests/test_native_ops.py holds
 the two to the same results)."""
 from __future__ import annotations
@@ -41,8 +41,8 @@ def native_ops() -> bool:
 
     The build (or the check that the cached build is current) runs in a child process, which
     prints where the library is; this process only loads it. Run here, `cpp_extension.load`
-    left PyTorch's own parallel kernels ~7x slower for the rest of the process (index_select +
-    SDPA over 8 x 176 slots: 134 -> 928 us; loading the built library alone: no change)."""
+    left PyTorch's own parallel kernels several times slower for the rest of the process
+    (docs/performance.md; loading the built library alone changes nothing)."""
     with _lock:
         try:
             built = subprocess.run([sys.executable, "-c", _BUILD, str(SOURCE)], check=True,

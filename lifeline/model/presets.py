@@ -20,6 +20,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from lifeline.model.config import ModelConfig, gemma3_layer_types
+from lifeline.model.registry import build_model
 
 if TYPE_CHECKING:
     from torch import nn
@@ -109,9 +110,7 @@ def preset_config(name: str) -> ModelConfig:
 
 def shape_model(name_or_config: str | ModelConfig) -> nn.Module:
     """The model with every tensor on the meta device: shapes, no memory."""
-    import torch
-
-    from lifeline.model.loader import build_model
+    import torch  # here, not above: configs need no torch
 
     cfg = (preset_config(name_or_config) if isinstance(name_or_config, str)
            else name_or_config)

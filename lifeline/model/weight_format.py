@@ -21,8 +21,8 @@ A lone row (one decode at batch 1) goes straight to fbgemm, whose per-call scale
 row's own: same precision, a tenth of the kernels, but not bit for bit the batched result.
 Batches of rows go through oneDNN's int8 GEMM instead where this PyTorch has it and it does not
 saturate (`onednn_int8`): the same per-row scales, quantized by us to u8 around 128, and faster
-from a few rows up (the head at 16 rows: ~6.7 against ~9.5-14 ms; docs/performance.md).
-`int8-all` stacks the projections that share an input (q/k/v, gate/up) into one GEMM each
+from a few rows up (docs/performance.md). `int8-all` stacks the projections that share an input
+(the family's `fused` projections, lifeline.model.registry: q/k/v, gate/up) into one GEMM each
 (`FusedProjections`) and drops their float32 copies. It also rotates every projection's input
 by a block Hadamard matrix before quantizing it (`Int8Linear(rotate=)`; for o_proj the rotation
 is folded into the value and output weights; the head's input is rotated too): the essay's
@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from lifeline.model.layers.linear import FusedProjections
+from lifeline.model.registry import family_of
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int8-all")
 RESCORE_TOP = 64
@@ -52,7 +53,7 @@ RESCORE_TOP = 64
 ROTATE_BLOCK = 32
 """Hadamard block `int8-all` rotates activations by at run time (`Int8Linear`): on the essay,
 32 and 64 measured the same quality (+0.4-0.9% perplexity, 96-97% greedy agreement), 256 no
-better, and a block's cost grows with its size (512 x 2,048: 0.39 ms at 32, 2.6 ms at 256)."""
+better, and a block's cost grows with its size (docs/performance.md)."""
 
 
 class BF16Linear(nn.Module):
@@ -134,14 +135,12 @@ class Int8Linear(nn.Module):
             return torch.ops.quantized.linear_dynamic(x, self.packed, self.reduce_range)
         if self.rotation is not None:
             # Rotated rows are near-symmetric around 0: scale each by its largest magnitude
-            # alone (no offset term, half the passes over x and y: 512 x 4096 x 640 gate/up,
-            # 2.4 against 3.8 ms).
+            # alone (no offset term, half the passes over x and y).
             amax = torch.maximum(x.amax(-1, keepdim=True), x.amin(-1, keepdim=True).neg_())
             amax = amax.clamp_min_(1e-12)
             y = torch.ops.quantized.linear_dynamic(x / amax, self.packed, self.reduce_range)
             return y.mul_(amax)
-        # amin + amax, not aminmax: the same values, 20x faster on the CPU (512 x 2048: 62 us
-        # against 1.24 ms in torch 2.13)
+        # amin + amax, not aminmax: the same values, far faster on the CPU in torch 2.13
         lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
         mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-12)
         y = torch.ops.quantized.linear_dynamic((x - mid).div_(half), self.packed, self.reduce_range)
@@ -179,7 +178,7 @@ class Int8Linear(nn.Module):
         scales fuse with the ops around them, and only fbgemm's call behind an operator
         (`lifeline::int8_linear`). The rotation stays a matmul: written as butterflies,
         Inductor fused each output with its 32 inputs' producers and recomputed GeGLU 32 times
-        (a 512-token prefill 156 -> 181 ms)."""
+        (a slower prefill, docs/performance.md)."""
         if self.onednn and x.shape[0] > 1:
             return self.onednn_matmul(x)
         if self.rotation is not None:
@@ -252,7 +251,7 @@ def top_logits(y: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`y.topk(k, dim=-1, sorted=False)` in two passes: each chunk of `TOP_CHUNK` logits'
     maximum, then the top k within the k chunks of highest maxima (every one of the k highest
     logits lies in one of them: a chunk holding one has a maximum at least as high, and at most
-    k chunks can). 262,144 logits: 54 against 242 us for one row, 0.65 against 2.4 ms for 16.
+    k chunks can); several times faster than `topk` over a large vocabulary (docs/performance.md).
     Everything outside the result is still at most its lowest value (`shortlist_argmax`)."""
     rows, vocab = y.shape
     chunks = vocab // TOP_CHUNK
@@ -324,15 +323,12 @@ def fbgemm_saturates() -> bool:
     return False
 
 
-FUSED = (("qkv_proj", ("q_proj", "k_proj", "v_proj")), ("gate_up_proj", ("gate_proj", "up_proj")))
-"""Projections of one input that `int8-all` runs as one GEMM (`FusedProjections`): each call
-into fbgemm costs ~15 us beyond its bytes, and q/k/v and gate/up share their input."""
-
-
 def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
     """Replace `model.lm_head` in place (embeddings tied to it keep their float32 copy);
     `int8-all` also every projection of every layer (int8 weights, per-row activation scales,
-    no float32 rescoring: a layer's outputs are not a ranking)."""
+    no float32 rescoring: a layer's outputs are not a ranking), the projections the model's
+    family declares fusable stacked into one GEMM each: each call into fbgemm costs more
+    than its bytes."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; choose from {WEIGHT_FORMATS}")
     head = model.lm_head
@@ -344,10 +340,11 @@ def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
         rotate = rotation_block(head.in_features) if fmt == "int8-all" else 0
         model.lm_head = Int8Linear(head, rotate=rotate)
     if fmt == "int8-all":
+        fusable = family_of(model).fused
         for layer in model.layers:
             for parent in layer.children():
                 folded = _fold_value_rotation(parent)
-                for fused, names in FUSED:
+                for fused, names in fusable:
                     _fuse(parent, fused, names)
                 for name, child in list(parent.named_children()):
                     if type(child) is nn.Linear:

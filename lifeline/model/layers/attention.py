@@ -3,22 +3,29 @@
 The cache is one preallocated pool per layer, `[num_blocks * block_size, kv_heads, head_dim]`
 for K and for V; a request reads its keys and values through its block table. The step's tokens
 are flattened: decode tokens first (one per request, attended in one batched call), then each
-prefill chunk (one call per request, never per token).
+prefill chunk (one call per request, never per token). A layer's `PagedAttention` reads the pool
+and the step's metadata from the forward context (lifeline/model/context.py), in eager and
+compiled mode alike; compiled code reaches it through the `lifeline::paged_attention` operator,
+because the step's layout (block tables, prefill chunks, a hybrid model's second pool) is Python
+data that changes every step, as vLLM's attention operator does.
 """
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from lifeline.model.context import get_context
 from lifeline.model.native import native_ops
 
 NATIVE_DECODE_MAX = 8
 """Decode batches up to this size take `lifeline_ext::decode_attention` (C++, one thread,
-straight from the paged cache) where it is built: against gathering the contexts and
-PyTorch's flash kernel, 15 vs 39 us at one 160-token context, 132 vs 145 us at 8 x 176; at
-16 x 176, 251 vs 223 us (PyTorch's path runs on both cores)."""
+straight from the paged cache) where it is built; larger ones gather the contexts for
+PyTorch's flash kernel, which runs on every core and wins there (docs/performance.md)."""
 
 
 @dataclass(slots=True)
@@ -78,6 +85,57 @@ class AttentionMetadata:
         return mask
 
 
+class PagedAttention(nn.Module):
+    """One layer's attention over its KV pool, both read from the forward context."""
+
+    def __init__(self, layer_idx: int, scale: float, window: int | None):
+        super().__init__()
+        self.layer_idx, self.scale, self.window = layer_idx, scale, window
+        self.handle = next(_handles)
+        """How compiled code names this layer to `lifeline::paged_attention`."""
+        _LAYERS[self.handle] = (layer_idx, scale, window)
+        weakref.finalize(self, _LAYERS.pop, self.handle, None)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [N, H, D]; k, v: [N, KVH, D] for the step's new tokens. Returns [N, H, D]."""
+        if torch.compiler.is_compiling():
+            return torch.ops.lifeline.paged_attention(q, k, v.contiguous(), self.handle)
+        return context_attention(q, k, v, self.layer_idx, self.scale, self.window)
+
+    def extra_repr(self) -> str:
+        return f"layer_idx={self.layer_idx}, scale={self.scale:.4g}, window={self.window}"
+
+
+def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                      scale: float, window: int | None) -> torch.Tensor:
+    """`paged_attention` over layer `layer`'s pool and the step's metadata, from the forward
+    context."""
+    context = get_context()
+    k_cache, v_cache = context.kv_caches[layer]
+    return paged_attention(q, k, v, k_cache, v_cache, context.meta, scale, window)
+
+
+_LAYERS: dict[int, tuple[int, float, int | None]] = {}
+"""handle -> (layer index, scale, window) of a live `PagedAttention`."""
+_handles = itertools.count()
+
+
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int
+                  ) -> torch.Tensor:
+    return context_attention(q, k, v, *_LAYERS[handle])
+
+
+def _attention_op_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int
+                       ) -> torch.Tensor:
+    return torch.empty_like(q)
+
+
+_LIB = torch.library.Library("lifeline", "FRAGMENT")  # Library.impl: cheaper than custom_op
+_LIB.define("paged_attention(Tensor q, Tensor k, Tensor v, int handle) -> Tensor")
+_LIB.impl("paged_attention", _attention_op, "CPU")
+_LIB.impl("paged_attention", _attention_op_meta, "Meta")
+
+
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slots: torch.Tensor) -> None:
     k_cache.index_copy_(0, slots, k)
@@ -121,8 +179,8 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """`cache[slots]` through `index_select`, 3-4x faster than advanced indexing on the CPU
-    (16 x 180 slots of 1 KiB: 41 against 167 us)."""
+    """`cache[slots]` through `index_select`, several times faster than advanced indexing on
+    the CPU (docs/performance.md)."""
     flat = slots.reshape(-1)
     return cache.index_select(0, flat).view(*slots.shape, *cache.shape[1:])
 
@@ -135,7 +193,7 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
         k = _gather(k_cache, p.slots)
         v = _gather(v_cache, p.slots)
     # 4-D [1, H, T, D] inputs: PyTorch's fused (flash) CPU kernel takes only 4-D ones; as 3-D
-    # this was the math path (bmm + softmax; 512 tokens of Gemma 3 270M: 8.9 against 5.8 ms).
+    # this was the slower math path (bmm + softmax; docs/performance.md, "Prefill attention").
     q_t = q.transpose(0, 1).unsqueeze(0)
     k_t, v_t = _expand_heads(k, q).unsqueeze(0), _expand_heads(v, q).unsqueeze(0)
     if past == 0 and (window is None or p.num_tokens <= window):
@@ -148,8 +206,8 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
 
 
 def _expand_heads(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """[T, KVH, D] -> [H, T, D]. Expanded K/V, not `enable_gqa=True`, which measured ~4x slower
-    for a 1,024-token chunk (docs/performance.md, "Prefill attention")."""
+    """[T, KVH, D] -> [H, T, D]. Expanded K/V, not `enable_gqa=True`, which measured slower
+    (docs/performance.md, "Prefill attention")."""
     group = q.shape[1] // kv.shape[1]
     kv = kv.transpose(0, 1)
     return kv.repeat_interleave(group, dim=0) if group > 1 else kv

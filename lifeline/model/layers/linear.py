@@ -5,6 +5,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lifeline.model.registry import GATE_UP
+
 ACTIVATIONS = {
     "silu": F.silu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -33,7 +35,8 @@ class FusedProjections(nn.Module):
 def project(module: nn.Module, x: torch.Tensor, fused: str, names: tuple[str, ...]
             ) -> tuple[torch.Tensor, ...]:
     """`module`'s projections `names` of `x`, through `module.<fused>` when a weight format
-    has stacked them into one `FusedProjections`."""
+    has stacked them into one `FusedProjections` (the family's `fused` projections,
+    lifeline.model.registry)."""
     stacked = getattr(module, fused, None)
     if stacked is not None:
         return stacked(x)
@@ -53,5 +56,5 @@ class GatedMLP(nn.Module):
         self.act = ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = project(self, x, "gate_up_proj", ("gate_proj", "up_proj"))
+        gate, up = project(self, x, *GATE_UP)
         return self.down_proj(self.act(gate) * up)
