@@ -28,7 +28,12 @@ from lifeline.engine.engine import LLMEngine, RequestOutput
 from lifeline.engine.request import RequestError, Timeline
 from lifeline.engine.sampling_params import SamplingParams
 from lifeline.observe.stats import EngineStats
-from lifeline.server.engine_client import EngineDeadError, GenerationOutput, ModelInfo
+from lifeline.server.engine_client import (
+    EngineClient,
+    EngineDeadError,
+    GenerationOutput,
+    ModelInfo,
+)
 from lifeline.server.errors import APIError
 
 log = logging.getLogger("lifeline.engine")
@@ -75,7 +80,7 @@ class _Failed:
     error: RequestError
 
 
-class AsyncEngine:
+class AsyncEngine(EngineClient):
     """`build` makes the engine on the engine thread (`start()` returns at once;
     `wait_started()` returns once `engine` exists, or raises why not)."""
 
@@ -185,7 +190,7 @@ class AsyncEngine:
             self.error = exc
             log.critical("the engine loop stopped", exc_info=exc)
             for target in self._sinks.values():
-                target.loop.call_soon_threadsafe(target.queue.put_nowait, exc)
+                _call(target.loop, target.queue.put_nowait, exc)
 
     def _drain_commands(self, block: bool) -> None:
         while True:
@@ -207,10 +212,11 @@ class AsyncEngine:
                                     cache_salt=cmd.cache_salt, deadline=cmd.deadline,
                                     fault=cmd.fault)
         except Exception as exc:  # noqa: BLE001 - validation errors go back to the caller
-            cmd.loop.call_soon_threadsafe(_settle, cmd.accepted, exc)
+            _call(cmd.loop, _settle, cmd.accepted, exc)
             return
         self._sinks[cmd.request_id] = _Sink(cmd.loop, cmd.sink)
-        cmd.loop.call_soon_threadsafe(_settle, cmd.accepted, None)
+        if not _call(cmd.loop, _settle, cmd.accepted, None):
+            self._abort(cmd.request_id)
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
@@ -218,7 +224,7 @@ class AsyncEngine:
 
     def _step(self) -> None:
         outputs = self.engine.step()
-        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = {}
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Queue, Any]]] = {}
         for out in outputs:
             target = self._sinks.get(out.request_id)
             if out.finished:
@@ -227,12 +233,15 @@ class AsyncEngine:
                 item = _Failed(out.error) if out.error is not None else _snapshot(
                     out, target.fresh)
                 target.fresh = False
-                deliveries.setdefault(target.loop, []).append((target.queue, item))
+                deliveries.setdefault(target.loop, []).append((out.request_id, target.queue,
+                                                               item))
         # one wake-up of each loop per step, not one per output: each is a write to the
         # loop's self-pipe, and on a machine whose cores all run the step, each wake-up can
         # preempt it (16 streams: 16 wake-ups a step)
         for loop, items in deliveries.items():
-            loop.call_soon_threadsafe(_deliver, items)
+            if not _call(loop, _deliver, items):
+                for request_id, _, _ in items:  # nobody can read them any more
+                    self._abort(request_id)
 
 
 def _snapshot(out: RequestOutput, first: bool) -> GenerationOutput:
@@ -263,8 +272,17 @@ def _model_info(engine: LLMEngine) -> ModelInfo:
         weight_format=loaded.weight_format)
 
 
-def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
-    for sink, item in items:
+def _call(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> bool:
+    """`fn(*args)` on `loop`; False when the loop has closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _deliver(items: list[tuple[str, asyncio.Queue, Any]]) -> None:
+    for _, sink, item in items:
         sink.put_nowait(item)
 
 
