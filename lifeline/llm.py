@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from lifeline.engine.engine import EngineConfig, LLMEngine
-from lifeline.engine.request import Timeline
+from lifeline.engine.parallel_sampling import child_params
+from lifeline.engine.request import Request, Timeline
 from lifeline.engine.sampler import TokenLogprobs
 from lifeline.engine.sampling_params import SamplingParams
 from lifeline.model.loader import LoadedModel, load_model
@@ -45,39 +46,66 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_progress: bool | None = None) -> list[GenerationResult]:
+        """One result per prompt and sample: with `n` > 1, sample i of prompt p is result
+        p * n + i. A prompt's first sample runs alone until it has its first token; then the
+        others start and find the prompt's blocks in the prefix cache, as on the server."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
-        reqs = []
+        groups = [[_Sample(_prompt_input(p), child_params(sp, i), _cache_salt(p))
+                   for i in range(sp.n)] for p, sp in zip(prompts, params)]
+        samples = [s for group in groups for s in group]
         try:
-            for p, sp in zip(prompts, params):
-                reqs.append(self.engine.add_request(_prompt_input(p), sp,
-                                                    cache_salt=_cache_salt(p)))
-        except Exception:
-            for r in reqs:
-                self.engine.abort_request(r.request_id)
+            held = {self._add(group[0]).request_id: group[1:] for group in groups}
+            texts = self._run(held, len(samples), use_progress if use_progress is not None
+                              else len(samples) > 1)
+        except BaseException:
+            for sample in samples:
+                if sample.request is not None:
+                    self.engine.abort_request(sample.request.request_id)
             raise
-        texts = self._run(len(reqs), use_progress if use_progress is not None else len(reqs) > 1)
-        return [GenerationResult(r.request_id, r.prompt, r.prompt_token_ids, texts[r.request_id],
-                                 list(r.output_token_ids), r.finish_reason.value if r.finish_reason
-                                 else None, r.stop_reason, r.timeline, r.num_cached_tokens,
-                                 r.num_preemptions, list(r.logprobs)) for r in reqs]
+        return [_result(s.request, texts.get(s.request.request_id, "")) for s in samples]
 
     def prompt_logits(self, token_ids: list[int]):
         """Logits at every position of `token_ids` (a float32 tensor `[T, vocab]`)."""
         return self.engine.prompt_logits(token_ids)
 
-    def _run(self, total: int, show: bool) -> dict[str, str]:
+    def _add(self, sample: _Sample) -> Request:
+        sample.request = self.engine.add_request(sample.prompt, sample.params,
+                                                 cache_salt=sample.cache_salt)
+        return sample.request
+
+    def _run(self, held: dict[str, list[_Sample]], total: int, show: bool) -> dict[str, str]:
+        """Step until every request has finished, starting the samples `held` behind a
+        request once it has an output."""
         texts: dict[str, str] = {}
         progress = _progress(show)
         with progress:
             task = progress.add_task("generating", total=total)
             while self.engine.has_unfinished_requests():
                 for out in self.engine.step():
+                    for sample in held.pop(out.request_id, ()):
+                        self._add(sample)
                     if out.finished:
                         texts[out.request_id] = out.text
                         progress.advance(task)
         return texts
+
+
+@dataclass(slots=True, eq=False)
+class _Sample:
+    prompt: str | list[int]
+    params: SamplingParams
+    cache_salt: str | None
+    request: Request | None = None
+
+
+def _result(req: Request, text: str) -> GenerationResult:
+    return GenerationResult(req.request_id, req.prompt, req.prompt_token_ids, text,
+                            list(req.output_token_ids),
+                            req.finish_reason.value if req.finish_reason else None,
+                            req.stop_reason, req.timeline, req.num_cached_tokens,
+                            req.num_preemptions, list(req.logprobs))
 
 
 def _per_prompt(sp: SamplingParams | Sequence[SamplingParams] | None, n: int

@@ -219,7 +219,7 @@ def http(server) -> Iterator[httpx.Client]:
 @pytest.fixture(scope="module")
 def ctx(server, http) -> Ctx:
     card = http.get("/v1/models").json()["data"][0]
-    return Ctx(vocab=server.state.loaded.config.vocab_size, context=card["max_model_len"])
+    return Ctx(vocab=server.state.model.vocab_size, context=card["max_model_len"])
 
 
 @pytest.fixture(scope="module")

@@ -412,7 +412,7 @@ def test_wrong_method_is_an_openai_405(http):
 
 def test_n_choices_share_their_prompt_through_the_prefix_cache(server, client):
     prompt = "Request 8127. " + LONG_PROMPT + "Name three rivers."
-    stats = server.state.engine.block_manager.stats
+    stats = server.engine.block_manager.stats
     before = stats.hits
     out = client.completions.create(model=MODEL, prompt=prompt, n=4, max_tokens=3,
                                     temperature=0.8, seed=5)

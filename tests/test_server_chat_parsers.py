@@ -161,7 +161,7 @@ def test_a_dead_engine_fails_requests_cleanly_and_health_says_so(tiny):
         def broken_step():
             raise RuntimeError("simulated device failure")
 
-        srv.state.engine.step = broken_step
+        srv.engine.step = broken_step
         r = http.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 3})
         error = r.json()["error"]
         assert r.status_code == 500 and error["code"] == "internal_error"

@@ -48,7 +48,7 @@ def _stream_events(response: httpx.Response) -> list:
 
 
 def _held_blocks(server: ServerThread) -> int:
-    kv = server.state.engine.block_manager
+    kv = server.engine.block_manager
     return sum(g.num_blocks - g.num_free_blocks for g in kv.groups)
 
 
@@ -116,7 +116,7 @@ def test_models_endpoint_reports_the_context_clamped_to_the_kv_cache(loaded):
     config = ServerConfig(engine=EngineConfig(kv_cache_memory_bytes=4 << 20))
     with ServerThread(loaded, config) as srv:
         card = httpx.get(srv.base_url + "/v1/models").json()["data"][0]
-        kv = srv.state.engine.block_manager
+        kv = srv.engine.block_manager
         assert card["max_model_len"] == min(g.capacity_tokens() for g in kv.groups)
         assert card["max_model_len"] < card["context_length"]
         assert card["max_model_len_limited_by"] == "kv_cache"

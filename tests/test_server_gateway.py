@@ -126,7 +126,7 @@ def test_full_waiting_queue_gives_503_with_retry_after_not_a_hang(loaded):
 
 
 def _wait_for_idle(srv: ServerThread, timeout: float = 30) -> None:
-    engine = srv.state.engine
+    engine = srv.engine
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not engine.has_unfinished_requests() and srv.state.admission.in_flight == 0:
@@ -153,7 +153,7 @@ def test_health_answers_within_two_seconds_while_sixteen_long_requests_run(loade
 
                 tasks = [asyncio.create_task(drain(s)) for s in streams]
                 for _ in range(100):
-                    if srv.state.engine.scheduler.running:
+                    if srv.engine.scheduler.running:
                         break
                     await asyncio.sleep(0.05)
                 latencies = []
@@ -163,7 +163,7 @@ def test_health_answers_within_two_seconds_while_sixteen_long_requests_run(loade
                     assert r.status_code == 200
                     latencies.append(time.perf_counter() - start)
                     await asyncio.sleep(0.2)
-                busy = len(srv.state.engine.scheduler.running)
+                busy = len(srv.engine.scheduler.running)
                 await asyncio.gather(*tasks)
                 return latencies, busy
 
@@ -174,7 +174,7 @@ def test_health_answers_within_two_seconds_while_sixteen_long_requests_run(loade
 
 def test_client_disconnect_mid_stream_aborts_and_frees_kv_blocks(loaded):
     with _server(loaded) as srv:
-        engine = srv.state.engine
+        engine = srv.engine
         total = engine.block_manager.num_blocks
         with httpx.Client(base_url=srv.base_url, timeout=60) as http:
             with http.stream("POST", "/v1/completions", json={**LONG, "stream": True}) as r:
@@ -296,7 +296,7 @@ def test_the_model_loads_and_every_step_runs_on_the_engine_thread(loaded):
         while http.get("/ready").status_code != 200:
             assert time.monotonic() < deadline, "the server never became ready"
             time.sleep(0.05)
-        engine = srv.state.engine
+        engine = srv.engine
         step = engine.step
 
         def recorded_step():

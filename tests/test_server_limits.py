@@ -241,7 +241,7 @@ def test_tokens_per_minute_refuses_what_could_never_fit_and_charges_partial_outp
 def _wait_for_idle(srv: ServerThread, timeout: float = 120) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        if not srv.state.engine.has_unfinished_requests() and srv.state.admission.in_flight == 0:
+        if not srv.engine.has_unfinished_requests() and srv.state.admission.in_flight == 0:
             return
         time.sleep(0.05)
     raise AssertionError("the engine did not go idle")

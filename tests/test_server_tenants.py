@@ -1,7 +1,7 @@
 """Tenants are isolated in the prefix cache: `cache_salt` (vLLM's field) and the server option
 that salts every request by its API key decide which requests may share KV blocks, so one
 tenant's `cached_tokens` never reveals another's prompts. And `n` seeded choices differ from
-each other yet come back the same on every run."""
+each other yet come back the same on every run, offline as on the server."""
 import httpx
 import openai
 import pytest
@@ -120,3 +120,14 @@ def test_seeded_n_chat_choices_differ_and_repeat(client):
     first = texts()
     assert len(set(first)) == 3, first
     assert texts() == first
+
+
+def test_offline_n_samples_are_the_servers_n_choices(client, loaded):
+    prompt = "Here is a random list of colours:"
+    out = client.completions.create(model=MODEL, prompt=prompt, n=3, seed=7, temperature=1.0,
+                                    max_tokens=8, extra_body={"ignore_eos": True})
+    served = [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+    llm = LLM(loaded, kv_cache_memory_bytes=64 << 20)
+    offline = llm.generate(prompt, SamplingParams(n=3, seed=7, temperature=1.0, max_tokens=8,
+                                                  ignore_eos=True))
+    assert [r.text for r in offline] == served

@@ -18,6 +18,7 @@ from lifeline.engine.sampler import Sampler, SamplingInput, TokenLogprobs, make_
 from lifeline.engine.sampling_params import SamplingParams
 from lifeline.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from lifeline.engine.stop import StopChecker
+from lifeline.engine.validation import ModelLimits, check_request
 from lifeline.model.loader import LoadedModel
 from lifeline.model.weight_format import apply_weight_format
 from lifeline.tokenizer import IncrementalDetokenizer
@@ -231,22 +232,8 @@ class LLMEngine:
         return [int(t) for t in prompt]
 
     def _validate(self, req: Request) -> None:
-        n = req.num_prompt_tokens
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab})")
-        for name, ids in (("logit_bias", req.params.logit_bias), ("stop_token_ids",
-                                                                  req.params.stop_token_ids)):
-            bad = [t for t in ids if not 0 <= int(t) < vocab]
-            if bad:
-                raise ValueError(f"{name} names token {bad[0]}, outside the vocabulary "
-                                 f"(size {vocab})")
-        if n >= self.max_model_len:
-            raise ValueError(f"prompt of {n} tokens does not fit the model's context of "
-                             f"{self.max_model_len} tokens")
+        check_request(req.prompt_token_ids, req.params, ModelLimits(
+            self.model_config.vocab_size, self.max_model_len))
 
     def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:

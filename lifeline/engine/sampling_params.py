@@ -29,6 +29,8 @@ class SamplingParams:
     prompt_logprobs: int | None = None
     """Logprobs of every prompt token and the top N at each prompt position (vLLM's field);
     None: none. Costs the full logits of every prompt position, and no prefix-cache reuse."""
+    n: int = 1
+    """Samples per prompt (`LLM.generate`; the engine runs each as a request of its own)."""
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -37,6 +39,8 @@ class SamplingParams:
             raise ValueError("stop strings may not be empty")
         if self.seed is not None and not SEED_RANGE[0] <= self.seed <= SEED_RANGE[1]:
             raise ValueError(f"seed must be a signed 64-bit integer, got {self.seed}")
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:

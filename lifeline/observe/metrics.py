@@ -17,6 +17,7 @@ from prometheus_client import (
 )
 
 from lifeline.observe.record import STAGES, RequestRecord
+from lifeline.observe.stats import EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 """Our names are valid in the classic text format, which every Prometheus version reads."""
@@ -100,19 +101,20 @@ class Metrics:
         self._success.labels(self._model_name, reason).inc()
 
     def update_engine(self, engine: Any) -> None:
-        """Read the engine's gauges and cumulative counts. Safe from another thread: it reads
-        only numbers and lengths, never iterates the engine's lists. Accepts an `LLMEngine` or
-        anything with one at `.engine` (the `AsyncEngine`)."""
-        engine = getattr(engine, "engine", engine)
-        scheduler, blocks = engine.scheduler, engine.block_manager
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting))
-        self.kv_usage.set(blocks.usage)
+        """`update_stats` from an `LLMEngine` in this process, or anything with one at
+        `.engine`."""
+        self.update_stats(EngineStats.of(getattr(engine, "engine", engine)))
+
+    def update_stats(self, stats: EngineStats) -> None:
+        """Set the engine's gauges and move the counters to its cumulative counts."""
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage)
         with self._lock:
-            self._advance(self.cache_queries, "queries", blocks.stats.queries)
-            self._advance(self.cache_hits, "hits", blocks.stats.hits)
-            self._advance(self.preemptions, "preemptions", scheduler.num_preemptions)
-            moe = getattr(engine, "moe", None)
+            self._advance(self.cache_queries, "queries", stats.prefix_cache_queries)
+            self._advance(self.cache_hits, "hits", stats.prefix_cache_hits)
+            self._advance(self.preemptions, "preemptions", stats.num_preemptions)
+            moe = stats.moe
             if moe is not None:
                 if self._moe is None:
                     self._moe = _MoEMetrics(self.registry, self._model_name, moe)

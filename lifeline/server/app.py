@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -14,9 +14,12 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
+from lifeline.engine.engine import LLMEngine
+from lifeline.engine.validation import short_id
 from lifeline.model.loader import LoadedModel
 from lifeline.server.async_engine import AsyncEngine
 from lifeline.server.config import ServerConfig
+from lifeline.server.engine_client import EngineClient
 from lifeline.server.errors import APIError, bad_request, install_handlers
 from lifeline.server.middleware import GatewayMiddleware
 from lifeline.server.openai_api import is_small, off_loop, parse_body, router
@@ -41,20 +44,21 @@ def create_app(loaded_model: LoadedOrLoader, config: ServerConfig | None = None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        aengine = state.start_engine(lambda: loaded if loaded is not None else loaded_model())
+        client = _in_process_engine(
+            lambda: loaded if loaded is not None else loaded_model(), config)
         loader = None
         if loaded is not None:
-            aengine.built.wait()
-            state.attach(aengine)
+            client.wait_started()
+            state.attach(client)
         else:
             state.admission.loading = True
-            loader = asyncio.create_task(_load(state, aengine))
+            loader = asyncio.create_task(_load(state, client))
         try:
             yield
         finally:
             if loader is not None:
                 loader.cancel()
-            aengine.stop()
+            client.stop()
             state.tracer.shutdown()
             thaw_heap()
 
@@ -100,12 +104,21 @@ def _openapi(app: FastAPI) -> dict[str, Any]:
     return schema
 
 
-async def _load(state: ServerState, aengine: AsyncEngine) -> None:
+def _in_process_engine(load: Callable[[], LoadedModel], config: ServerConfig) -> AsyncEngine:
+    """Start the engine thread; it runs `load` and builds the engine. Loading there keeps
+    PyTorch's parallel kernels on one thread (see `lifeline.server.async_engine`)."""
+    engine_config = config.engine
+    client = AsyncEngine(lambda: LLMEngine(load(), engine_config))
+    client.start()
+    return client
+
+
+async def _load(state: ServerState, client: EngineClient) -> None:
     """Load in the background; a model that cannot be loaded stops the server (`state.fail`:
     `lifeline serve` prints why and exits non-zero)."""
-    await run_in_threadpool(aengine.built.wait)
     try:
-        await run_in_threadpool(state.attach, aengine)  # reads the chat template: off the loop
+        await run_in_threadpool(client.wait_started)
+        await run_in_threadpool(state.attach, client)  # reads the chat template: off the loop
     except Exception as exc:  # noqa: BLE001 - whatever stops the load stops the server
         state.fail(exc)
         return
@@ -130,8 +143,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        if state.aengine is not None:
-            state.metrics.update_engine(state.aengine)
+        if state.client is not None:
+            state.metrics.update_stats(state.client.stats())
         body, content_type = state.metrics.render()
         return Response(body, media_type=content_type)
 
@@ -146,7 +159,7 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
-        state.require_engine()
+        client = state.require_client()
         body: TokenizeRequest = await parse_body(request, TokenizeRequest)
         state.check_model(body.model)
         if body.messages is not None:
@@ -155,13 +168,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
                                          continue_final_message=body.continue_final_message,
                                          chat_template_kwargs=body.chat_template_kwargs)
             ids, anatomy = await off_loop(_tokenize_chat, state, chat)
-        elif state.loaded.tokenizer is None:
+        elif client.tokenizer is None:
             raise bad_request("this model has no tokenizer", "prompt")
         else:
-            ids = await off_loop(state.loaded.tokenizer.encode, body.prompt,
-                                 body.add_special_tokens)
+            ids = await off_loop(client.tokenize, body.prompt, body.add_special_tokens)
             anatomy = None
-        out = {"tokens": ids, "count": len(ids), "max_model_len": state.engine.max_model_len}
+        out = {"tokens": ids, "count": len(ids), "max_model_len": state.model.max_model_len}
         if anatomy is not None:
             out["prompt_anatomy"] = anatomy
         if len(ids) <= JSON_PIECE:
@@ -171,10 +183,10 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/detokenize")
     async def detokenize(request: Request) -> dict[str, Any]:
-        state.require_engine()
+        client = state.require_client()
         body: DetokenizeRequest = await parse_body(request, DetokenizeRequest)
         state.check_model(body.model)
-        if state.loaded.tokenizer is None:
+        if client.tokenizer is None:
             raise bad_request("this model has no tokenizer", "tokens")
         if await is_small(request):
             return {"prompt": _detokenize(state, body.tokens)}
@@ -190,13 +202,12 @@ def _tokens_json(out: dict[str, Any]) -> bytes:
 
 
 def _detokenize(state: ServerState, tokens: list[int]) -> str:
-    vocab = state.loaded.config.vocab_size
+    vocab = state.model.vocab_size
     if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
         bad = next(t for t in tokens if not 0 <= t < vocab)
-        text = str(bad)
-        raise bad_request(f"token id {text if len(text) <= 20 else text[:12] + '...'} is "
-                          f"outside the vocabulary (size {vocab})", "tokens")
-    return state.loaded.tokenizer.decode(tokens)
+        raise bad_request(f"token id {short_id(bad)} is outside the vocabulary (size {vocab})",
+                          "tokens")
+    return state.client.detokenize(tokens)
 
 
 def _tokenize_chat(state: ServerState, body: ChatCompletionRequest
@@ -212,16 +223,15 @@ def _tokenize_chat(state: ServerState, body: ChatCompletionRequest
 def _model_card(state: ServerState) -> dict[str, Any]:
     card: dict[str, Any] = {"id": state.model_id, "object": "model", "created": state.created,
                             "owned_by": "lifeline"}
-    loaded = state.loaded
-    if loaded is None:
+    model = state.model
+    if model is None:
         return card
-    cfg = loaded.config
     card.update({
-        "root": loaded.source, "max_model_len": state.engine.max_model_len,
-        "max_model_len_limited_by": state.engine.max_model_len_reason,
-        "context_length": cfg.max_position, "architecture": cfg.architecture,
-        "parameters": {"total": cfg.num_params(), "active": cfg.num_active_params()},
-        "weight_format": loaded.weight_format,
+        "root": model.source, "max_model_len": model.max_model_len,
+        "max_model_len_limited_by": model.max_model_len_limited_by,
+        "context_length": model.context_length, "architecture": model.architecture,
+        "parameters": {"total": model.num_params, "active": model.num_active_params},
+        "weight_format": model.weight_format,
     })
     return card
 

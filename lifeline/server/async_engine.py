@@ -1,19 +1,22 @@
-"""The engine on its own thread, so the event loop stays free while a step runs.
+"""The in-process `EngineClient`: an `LLMEngine` on its own thread, so the event loop stays
+free while a step runs.
 
 The engine is not thread-safe: every call into it (add, abort, step) happens on the engine
 thread. Callers talk to it through a command queue; outputs come back to each request's
-asyncio queue via `call_soon_threadsafe`, all of a step's outputs in one call.
+asyncio queue via `call_soon_threadsafe`, all of a step's outputs in one call, each a
+snapshot (`GenerationOutput`) taken on the engine thread: nothing the loop reads is shared
+with the live `Request`.
 
 The engine thread also builds the engine (and, for `lifeline serve`, loads the model): it
 should be the only live thread that has run PyTorch's parallel CPU kernels. Each such thread
 keeps its own OpenMP team (libgomp), and once the teams' threads outnumber the cores, libgomp
-stops letting idle workers spin, so every parallel kernel pays a futex wake-up: an int8 GEMM
-of one row took 3.5x longer (18 -> 66 us) and one user decoded at 31 instead of 55 tok/s
-when the model had been prepared on the event loop's thread (docs/performance.md).
+stops letting idle workers spin, so every parallel kernel pays a futex wake-up (what that cost
+a decode when the model was prepared on the event loop's thread: docs/performance.md).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
@@ -22,16 +25,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from lifeline.engine.engine import LLMEngine, RequestOutput
-from lifeline.engine.request import RequestError
+from lifeline.engine.request import RequestError, Timeline
 from lifeline.engine.sampling_params import SamplingParams
+from lifeline.observe.stats import EngineStats
+from lifeline.server.engine_client import (
+    EngineClient,
+    EngineDeadError,
+    GenerationOutput,
+    ModelInfo,
+)
 from lifeline.server.errors import APIError
 
-
 log = logging.getLogger("lifeline.engine")
-
-
-class EngineDeadError(RuntimeError):
-    pass
 
 
 def request_failed(error: RequestError) -> APIError:
@@ -61,25 +66,43 @@ class _Add:
     fault: str | None = None
 
 
-class AsyncEngine:
-    """`build` makes the engine on the engine thread (`start()` returns at once; `built` is set
-    when `engine` exists or `error` says why not)."""
+@dataclass(slots=True)
+class _Sink:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    fresh: bool = True
+    """No output delivered yet (the first one carries a copy of the timeline)."""
 
-    def __init__(self, build: Callable[[], LLMEngine],
-                 on_finished: Callable[[RequestOutput], None] | None = None):
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    """Delivered instead of the output of a request the engine ended without an answer."""
+    error: RequestError
+
+
+class AsyncEngine(EngineClient):
+    """`build` makes the engine on the engine thread (`start()` returns at once;
+    `wait_started()` returns once `engine` exists, or raises why not)."""
+
+    def __init__(self, build: Callable[[], LLMEngine]):
         self.build = build
         self.engine: LLMEngine | None = None
+        """The engine itself: only the engine thread may call into it (tests read it)."""
         self.built = threading.Event()
-        self.on_finished = on_finished
         self._commands: queue.Queue[Any] = queue.Queue()
-        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._sinks: dict[str, _Sink] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="lifeline-engine", daemon=True)
         self.error: BaseException | None = None
-        self.num_waiting = 0
+        self._info: ModelInfo | None = None
 
     def start(self) -> None:
         self._thread.start()
+
+    def wait_started(self) -> None:
+        self.built.wait()
+        if self.engine is None:
+            raise self.error or RuntimeError("the engine is not built")
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -87,23 +110,42 @@ class AsyncEngine:
         self._thread.join(timeout)
 
     @property
-    def num_unfinished(self) -> int:
-        return len(self._sinks)
+    def dead_error(self) -> BaseException | None:
+        return self.error
 
-    async def generate(self, prompt: list[int], params: SamplingParams, request_id: str,
+    @property
+    def tokenizer(self) -> Any:
+        return self._built().tokenizer
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._built().tokenizer.encode(text, add_special_tokens)
+
+    def detokenize(self, token_ids: list[int], skip_special_tokens: bool = False) -> str:
+        return self._built().tokenizer.decode(token_ids, skip_special_tokens)
+
+    def model_info(self) -> ModelInfo:
+        if self._info is None:
+            self._info = _model_info(self._built())
+        return self._info
+
+    def stats(self) -> EngineStats:
+        return EngineStats() if self.engine is None else EngineStats.of(self.engine)
+
+    def _built(self) -> LLMEngine:
+        if self.engine is None:
+            raise RuntimeError("the engine is not built yet")
+        return self.engine
+
+    async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, *,
                        arrival: float, cache_salt: str | None = None,
                        deadline: float | None = None, fault: str | None = None
-                       ) -> AsyncIterator[RequestOutput]:
-        """Yields one output per step that gave this request a token; the last is finished.
-        Closing the iterator early (client gone) aborts the request and frees its blocks.
-        A request the engine ended without an answer raises its `APIError`
-        (`request_failed`)."""
+                       ) -> AsyncIterator[GenerationOutput]:
         if self.error is not None:
             raise EngineDeadError(f"the engine stopped: {self.error!r}")
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         accepted = loop.create_future()
-        self._commands.put(_Add(prompt, params, request_id, arrival, sink, loop, accepted,
+        self._commands.put(_Add(prompt_ids, params, request_id, arrival, sink, loop, accepted,
                                 cache_salt, deadline, fault))
         try:
             await accepted
@@ -116,9 +158,10 @@ class AsyncEngine:
                 out = await sink.get()
                 if isinstance(out, BaseException):
                     raise EngineDeadError(f"the engine stopped: {out!r}")
-                finished = out.finished
-                if out.error is not None:
+                if isinstance(out, _Failed):
+                    finished = True
                     raise request_failed(out.error)
+                finished = out.finished
                 yield out
                 if finished:
                     return
@@ -146,8 +189,8 @@ class AsyncEngine:
         except BaseException as exc:  # noqa: BLE001 - handed to every waiting request
             self.error = exc
             log.critical("the engine loop stopped", exc_info=exc)
-            for loop, sink in self._sinks.values():
-                loop.call_soon_threadsafe(sink.put_nowait, exc)
+            for target in self._sinks.values():
+                _call(target.loop, target.queue.put_nowait, exc)
 
     def _drain_commands(self, block: bool) -> None:
         while True:
@@ -169,10 +212,11 @@ class AsyncEngine:
                                     cache_salt=cmd.cache_salt, deadline=cmd.deadline,
                                     fault=cmd.fault)
         except Exception as exc:  # noqa: BLE001 - validation errors go back to the caller
-            cmd.loop.call_soon_threadsafe(_settle, cmd.accepted, exc)
+            _call(cmd.loop, _settle, cmd.accepted, exc)
             return
-        self._sinks[cmd.request_id] = (cmd.loop, cmd.sink)
-        cmd.loop.call_soon_threadsafe(_settle, cmd.accepted, None)
+        self._sinks[cmd.request_id] = _Sink(cmd.loop, cmd.sink)
+        if not _call(cmd.loop, _settle, cmd.accepted, None):
+            self._abort(cmd.request_id)
 
     def _abort(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
@@ -180,27 +224,66 @@ class AsyncEngine:
 
     def _step(self) -> None:
         outputs = self.engine.step()
-        self.num_waiting = len(self.engine.scheduler.waiting)
-        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, RequestOutput]]] = {}
+        deliveries: dict[asyncio.AbstractEventLoop, list[tuple[str, asyncio.Queue, Any]]] = {}
         for out in outputs:
             target = self._sinks.get(out.request_id)
             if out.finished:
                 self._sinks.pop(out.request_id, None)
-                if self.on_finished is not None:
-                    self.on_finished(out)
             if target is not None:
-                loop, sink = target
-                deliveries.setdefault(loop, []).append((sink, out))
+                item = _Failed(out.error) if out.error is not None else _snapshot(
+                    out, target.fresh)
+                target.fresh = False
+                deliveries.setdefault(target.loop, []).append((out.request_id, target.queue,
+                                                               item))
         # one wake-up of each loop per step, not one per output: each is a write to the
         # loop's self-pipe, and on a machine whose cores all run the step, each wake-up can
         # preempt it (16 streams: 16 wake-ups a step)
         for loop, items in deliveries.items():
-            loop.call_soon_threadsafe(_deliver, items)
+            if not _call(loop, _deliver, items):
+                for request_id, _, _ in items:  # nobody can read them any more
+                    self._abort(request_id)
 
 
-def _deliver(items: list[tuple[asyncio.Queue, RequestOutput]]) -> None:
-    for sink, out in items:
-        sink.put_nowait(out)
+def _snapshot(out: RequestOutput, first: bool) -> GenerationOutput:
+    """`out` as the loop may read it: nothing in it changes when the engine steps again."""
+    req = out.request
+    timeline = req.timeline
+    return GenerationOutput(
+        out.request_id, tuple(out.new_token_ids), out.new_text, out.text, out.finished,
+        out.finish_reason, timeline.token_times[-1] if out.new_token_ids else None,
+        req.num_cached_tokens, tuple(out.new_logprobs),
+        None if out.prompt_logprobs is None else tuple(out.prompt_logprobs),
+        _copy(timeline) if first or out.finished else None)
+
+
+def _copy(timeline: Timeline) -> Timeline:
+    return dataclasses.replace(timeline, prefill_chunks=list(timeline.prefill_chunks),
+                               token_times=list(timeline.token_times),
+                               preemptions=list(timeline.preemptions))
+
+
+def _model_info(engine: LLMEngine) -> ModelInfo:
+    loaded, cfg = engine.loaded, engine.loaded.config
+    return ModelInfo(
+        source=str(loaded.source), architecture=cfg.architecture, vocab_size=cfg.vocab_size,
+        max_model_len=engine.max_model_len,
+        max_model_len_limited_by=engine.max_model_len_reason, context_length=cfg.max_position,
+        num_params=cfg.num_params(), num_active_params=cfg.num_active_params(),
+        weight_format=loaded.weight_format)
+
+
+def _call(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> bool:
+    """`fn(*args)` on `loop`; False when the loop has closed."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _deliver(items: list[tuple[str, asyncio.Queue, Any]]) -> None:
+    for _, sink, item in items:
+        sink.put_nowait(item)
 
 
 def _settle(future: asyncio.Future, exc: BaseException | None) -> None:

@@ -20,8 +20,8 @@ from lifeline.chat import (
     template_for_request,
 )
 from lifeline.chat.anatomy import anatomy_of_inputs
-from lifeline.model.loader import LoadedModel
 from lifeline.server.config import ServerConfig
+from lifeline.server.engine_client import ModelInfo
 
 REASONING_PARSERS = ("think",)
 TOOL_CALL_PARSERS = ("hermes",)
@@ -93,17 +93,17 @@ class OutputParser:
 
 
 class ChatFrontend:
-    def __init__(self, loaded: LoadedModel, config: ServerConfig):
+    def __init__(self, model: ModelInfo, tokenizer: Any, config: ServerConfig):
         if config.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"unknown reasoning parser {config.reasoning_parser!r}")
         if config.tool_call_parser not in (None, *TOOL_CALL_PARSERS):
             raise ValueError(f"unknown tool-call parser {config.tool_call_parser!r}")
         self.config = config
-        self.tokenizer = loaded.tokenizer
+        self.tokenizer = tokenizer
         self.template = resolve_template(
-            template_file=config.chat_template, gguf_template=_gguf_template(loaded),
-            hf_dir=loaded.source if Path(loaded.source).is_dir() else None,
-            family=builtin_family(loaded.config.architecture),
+            template_file=config.chat_template, gguf_template=_gguf_template(model.source),
+            hf_dir=model.source if Path(model.source).is_dir() else None,
+            family=builtin_family(model.architecture),
             bos_token=self._special_text("bos_token_id"),
             eos_token=self._special_text("eos_token_id"),
             escape=getattr(self.tokenizer, "escape_specials", None))
@@ -146,8 +146,8 @@ class ChatFrontend:
         return OutputParser(reasoning, tools)
 
 
-def _gguf_template(loaded: LoadedModel) -> str | None:
-    path = Path(loaded.source)
+def _gguf_template(source: str) -> str | None:
+    path = Path(source)
     if not path.is_file() or path.suffix != ".gguf":
         return None
     from lifeline.model.gguf_file import GGUFFile

@@ -40,6 +40,14 @@ def bad_request(message: str, param: str | None = None) -> APIError:
     return APIError(400, message, param, "invalid_value")
 
 
+def refused(exc: Exception) -> APIError:
+    """A 400 for a request refused with a ValueError or TypeError: its `param` and `code` when
+    it names them (`ParamError`, `lifeline.engine.validation.InvalidRequest`)."""
+    code = getattr(exc, "code", None)
+    return APIError(400, str(exc), getattr(exc, "param", None),
+                    code if isinstance(code, str) else "invalid_value")
+
+
 def internal_error(exc: BaseException, where: str) -> APIError:
     """A 500 that tells the client only an error id; the exception goes to the server log under
     that id (its text may hold paths, tensors or other internals)."""

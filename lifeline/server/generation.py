@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from lifeline.engine.engine import RequestOutput
-from lifeline.engine.request import Request, Timeline
+from lifeline.engine.request import Timeline
 from lifeline.engine.sampler import TokenLogprobs
 from lifeline.engine.sampling_params import SamplingParams
-from lifeline.server.async_engine import AsyncEngine
+from lifeline.server.engine_client import EngineClient, GenerationOutput
 from lifeline.server.gateway import Admission
 
 
@@ -25,7 +25,10 @@ class Choice:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     finish_reason: str | None = None
-    request: Request | None = None
+    token_times: list[float] = field(default_factory=list)
+    cached_tokens: int = 0
+    snapshot: Timeline | None = None
+    """The engine's timeline as of the latest output that carried one."""
     started: bool = False
     state: object = None
     """Per-choice parser state the endpoint keeps (reasoning, tool calls)."""
@@ -41,11 +44,25 @@ class Choice:
 
     @property
     def timeline(self) -> Timeline:
-        return self.request.timeline if self.request is not None else Timeline()
+        """The timeline so far: the latest copy, with the token times of the outputs since."""
+        snapshot = self.snapshot
+        if snapshot is None:
+            return Timeline()
+        if len(snapshot.token_times) == len(self.token_times):
+            return snapshot
+        return dataclasses.replace(snapshot, token_times=list(self.token_times))
 
-    @property
-    def cached_tokens(self) -> int:
-        return self.request.num_cached_tokens if self.request is not None else 0
+    def absorb(self, out: GenerationOutput) -> None:
+        self.token_ids.extend(out.new_token_ids)
+        self.logprobs.extend(out.new_logprobs)
+        self.parts.append(out.new_text)
+        if out.token_time is not None:
+            self.token_times.append(out.token_time)
+        if out.timeline is not None:
+            self.snapshot = out.timeline
+        self.cached_tokens = out.num_cached_tokens
+        if out.finished:
+            self.finish_reason = out.finish_reason or "stop"
 
 
 class Cancelled(Exception):
@@ -61,10 +78,10 @@ class Generation:
     once it has its first token. By then its prompt blocks are in the prefix cache, so the
     others compute only what follows the last full block instead of the whole prompt again."""
 
-    def __init__(self, aengine: AsyncEngine, admission: Admission, choices: list[Choice],
+    def __init__(self, client: EngineClient, admission: Admission, choices: list[Choice],
                  arrival: float, registry: set[Generation] | None = None, *,
                  deadline: float | None = None, fault: str | None = None):
-        self.aengine = aengine
+        self.client = client
         self.admission = admission
         self.choices = choices
         self.arrival = arrival
@@ -102,7 +119,7 @@ class Generation:
     def finished(self) -> bool:
         return all(c.finished for c in self.choices)
 
-    async def outputs(self) -> AsyncIterator[tuple[Choice, RequestOutput]]:
+    async def outputs(self) -> AsyncIterator[tuple[Choice, GenerationOutput]]:
         remaining = len(self.choices)
         try:
             while remaining:
@@ -147,20 +164,14 @@ class Generation:
 
     async def _pump(self, choice: Choice) -> None:
         try:
-            async for out in self.aengine.generate(choice.prompt_ids, choice.params,
-                                                   choice.request_id, self.arrival,
-                                                   choice.cache_salt, self.deadline,
-                                                   self.fault):
+            async for out in self.client.generate(
+                    choice.prompt_ids, choice.params, choice.request_id, arrival=self.arrival,
+                    cache_salt=choice.cache_salt, deadline=self.deadline, fault=self.fault):
                 if not choice.started:
                     choice.started = True
                     self.admission.started()
                     self._release_followers(choice)
-                choice.request = out.request
-                choice.token_ids.extend(out.new_token_ids)
-                choice.logprobs.extend(out.new_logprobs)
-                choice.parts.append(out.new_text)
-                if out.finished:
-                    choice.finish_reason = out.finish_reason or "stop"
+                choice.absorb(out)
                 self._queue.put_nowait((choice, out))
             self._queue.put_nowait(None)
         except asyncio.CancelledError:

@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 
 from lifeline.observe import RequestRecord, ServerStamps, combine_timelines
 from lifeline.server.chat_frontend import RenderedPrompt
-from lifeline.server.errors import APIError, bad_request, internal_error
+from lifeline.server.errors import APIError, internal_error, refused
 from lifeline.server.generation import Cancelled, Choice, Generation
 from lifeline.server.protocol import ChatCompletionRequest
 from lifeline.server.responses import usage
@@ -93,11 +93,12 @@ class Job:
 
 def as_api_error(exc: BaseException) -> APIError:
     """The error a client sees: ours as they are, the engine's refusals (ValueError, worded by
-    `LLMEngine.add_request`) as 400, anything else as a 500 that names only an error id."""
+    `lifeline.engine.validation` or `LLMEngine.add_request`) as 400, anything else as a 500
+    that names only an error id."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, Cancelled):
         return APIError(499, "the client closed the request", None, "client_closed")
     if isinstance(exc, ValueError):
-        return bad_request(str(exc))
+        return refused(exc)
     return internal_error(exc, "generation")

@@ -15,9 +15,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 
-from lifeline.engine.sampling_params import SamplingParams
+from lifeline.engine.parallel_sampling import child_params
+from lifeline.engine.validation import (
+    InvalidRequest,
+    check_max_tokens,
+    check_prompt,
+    check_token_params,
+    max_tokens_within,
+)
 from lifeline.observe import ServerStamps
-from lifeline.server.errors import APIError, bad_request, parse_json, validation_error
+from lifeline.server.errors import APIError, bad_request, parse_json, refused, validation_error
 from lifeline.server.generation import Choice, Generation
 from lifeline.server.job import Job, as_api_error
 from lifeline.server.limits import INLINE_BODY_BYTES, INLINE_JSON_COMMAS
@@ -28,8 +35,6 @@ from lifeline.server.streams import ChatStream, CompletionStream
 router = APIRouter()
 FAULT_HEADER = "x-lifeline-fault"
 """With `--enable-fault-injection`: 'step' makes the engine step that runs the request raise."""
-SEED_SPACE = 1 << 64
-"""A generator's seed is taken modulo this (torch's range)."""
 _PREPARING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Per event loop, one worker thread prepares large requests: several CPU-bound threads would
 queue for the GIL ahead of the event loop, each taking a switch interval, and stretch every
@@ -84,7 +89,7 @@ async def is_small(request: Request) -> bool:
 async def _prepare(request: Request, model: type[BaseModel], endpoint: str) -> Job:
     state: ServerState = request.app.state.lifeline
     stamps: ServerStamps = request.state.stamps
-    state.require_engine()
+    state.require_client()
     body = await parse_body(request, model)
     state.check_model(body.model)
     if body.n > state.config.max_n:
@@ -112,7 +117,7 @@ async def _off_loop(fn: Callable[..., Any], offload: bool, *args: Any) -> Any:
     except APIError:
         raise
     except (ValueError, TypeError) as exc:
-        raise bad_request(str(exc), getattr(exc, "param", None)) from None
+        raise refused(exc) from None
 
 
 def _encode(state: ServerState, job: Job) -> None:
@@ -126,9 +131,7 @@ def _encode(state: ServerState, job: Job) -> None:
         stamps.templated = stamps.parsed
         job.prompts = [_tokenize(state, p) for p in body.prompts]
     stamps.mark("tokenized")
-    param = "messages" if job.is_chat else "prompt"
-    _check_prompts(state, job.prompts, param)
-    _check_room(state, body, job.prompts, param)
+    _check_prompts(state, job, "messages" if job.is_chat else "prompt")
 
 
 def _tokenize(state: ServerState, prompt: str | list[int]) -> list[int]:
@@ -136,83 +139,48 @@ def _tokenize(state: ServerState, prompt: str | list[int]) -> list[int]:
         return list(prompt)
     if not prompt:
         raise bad_request("the prompt is empty", "prompt")
-    if state.loaded.tokenizer is None:
+    if state.client.tokenizer is None:
         raise bad_request("this model has no tokenizer: send token ids", "prompt")
-    return state.loaded.tokenizer.encode(prompt)
+    return state.client.tokenize(prompt)
 
 
-def _check_prompts(state: ServerState, prompts: list[list[int]], param: str) -> None:
-    vocab = state.loaded.config.vocab_size
-    limit = state.engine.max_model_len
-    for ids in prompts:
-        if not ids:
-            raise bad_request("the prompt is empty", "prompt")
-        if min(ids) < 0 or max(ids) >= vocab:
-            bad = next(t for t in ids if not 0 <= t < vocab)
-            raise bad_request(f"token id {_short(bad)} is outside the vocabulary (size "
-                              f"{vocab})", param)
-        if len(ids) >= limit:
-            raise APIError(400, f"the prompt has {len(ids)} tokens; this model's context is "
-                           f"{limit} tokens and needs room for at least one more", param,
-                           "context_length_exceeded")
-
-
-def _check_room(state: ServerState, body: Any, prompts: list[list[int]], param: str) -> None:
-    """An explicit max_tokens that does not fit after the prompt is refused, as OpenAI and vLLM
-    do (a default one is clamped to the room left)."""
+def _check_prompts(state: ServerState, job: Job, param: str) -> None:
+    """Each prompt against the model; an explicit max_tokens against the room after the
+    longest (a default one is clamped instead, in `_make_choices`)."""
+    body, limits = job.body, state.model.limits
+    for ids in job.prompts:
+        check_prompt(ids, limits, param)
     sent = body.model_fields_set & {"max_tokens", "max_completion_tokens"}
-    wanted = (body.requested_max_tokens if isinstance(body, ChatCompletionRequest)
-              else body.max_tokens) if sent else None
-    limit = state.engine.max_model_len
-    longest = max(len(ids) for ids in prompts)
-    if wanted is not None and longest + wanted > limit:
-        raise APIError(400, f"this model's context is {limit} tokens, but {longest + wanted} "
-                       f"were asked for ({longest} in the {param}, {wanted} in the completion); "
-                       "shorten the prompt or lower max_tokens", param,
-                       "context_length_exceeded")
-
-
-def _short(value: int) -> str:
-    text = str(value)
-    return text if len(text) <= 20 else f"{text[:12]}..."
+    if sent:
+        wanted = body.requested_max_tokens if job.is_chat else body.max_tokens
+        check_max_tokens(max(len(ids) for ids in job.prompts), wanted, limits, param)
 
 
 def _make_choices(job: Job) -> None:
     body, state = job.body, job.state
-    limit = state.engine.max_model_len
+    limits = state.model.limits
     wanted = body.requested_max_tokens if job.is_chat else body.max_tokens
     wanted = wanted or state.config.default_max_tokens
     num_logprobs = body.num_logprobs if job.is_chat else body.logprobs
-    vocab = state.loaded.config.vocab_size
-    for name, ids in (("logit_bias", body.logit_bias or {}),
-                      ("stop_token_ids", body.stop_token_ids or [])):
-        bad = next((t for t in ids if not 0 <= int(t) < vocab), None)
-        if bad is not None:
-            raise bad_request(f"{name} names token {_short(int(bad))}, outside the vocabulary "
-                              f"(size {vocab})", name)
+    try:
+        params = body.sampling_params(None, num_logprobs)
+    except ValueError as exc:
+        raise bad_request(str(exc)) from None
+    try:
+        check_token_params(params, limits)
+    except InvalidRequest as exc:
+        raise refused(exc) from None
     salt = _cache_salt(job)
     for p, ids in enumerate(job.prompts):
-        room = limit - len(ids)
-        max_tokens = min(wanted, room) if wanted else room
-        try:
-            params = body.sampling_params(max_tokens, num_logprobs)
-        except ValueError as exc:
-            raise bad_request(str(exc)) from None
+        prompt_params = dataclasses.replace(
+            params, max_tokens=max_tokens_within(wanted, len(ids), limits))
         for i in range(body.n):
             index = p * body.n + i
-            choice = Choice(index, f"{job.response_id}-{index}", ids, _child_params(params, i),
-                            cache_salt=salt)
+            choice = Choice(index, f"{job.response_id}-{index}", ids,
+                            child_params(prompt_params, i), cache_salt=salt)
             if job.is_chat:
                 choice.state = state.chat.parser(body, job.rendered)
             job.choices.append(choice)
-
-
-def _child_params(params: SamplingParams, i: int) -> SamplingParams:
-    """The i-th of `n` choices of a seeded request draws from seed + i (as vLLM does), so the
-    choices differ yet each is the same from run to run."""
-    if i == 0 or params.seed is None:
-        return params
-    return dataclasses.replace(params, seed=(params.seed + i) % SEED_SPACE)
 
 
 def _cache_salt(job: Job) -> str | None:
@@ -229,7 +197,7 @@ async def _respond(request: Request, job: Job, stream: ChatStream | CompletionSt
     state = job.state
     timeout = state.config.request_timeout
     job.generation = Generation(
-        state.require_engine(), state.admission, job.choices, job.stamps.arrival,
+        state.require_client(), state.admission, job.choices, job.stamps.arrival,
         state.generations, deadline=job.stamps.arrival + timeout if timeout else None,
         fault=request.headers.get(FAULT_HEADER) if state.config.enable_fault_injection else None)
     job.generation.start()

@@ -10,12 +10,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from lifeline.engine.engine import LLMEngine
 from lifeline.engine.request import Timeline
 from lifeline.model.loader import LoadedModel
 from lifeline.observe import AccessLog, Metrics, RequestRecord, ServerStamps, Tracer
-from lifeline.server.async_engine import AsyncEngine
 from lifeline.server.config import ServerConfig
+from lifeline.server.engine_client import EngineClient, ModelInfo
 from lifeline.server.errors import APIError
 from lifeline.server.gateway import Admission, Authenticator, RateLimiter
 from lifeline.server.responses import TokenText
@@ -68,9 +67,10 @@ class ServerState:
     metrics: Metrics
     access_log: AccessLog
     tracer: Tracer
-    loaded: LoadedModel | None = None
-    engine: LLMEngine | None = None
-    aengine: AsyncEngine | None = None
+    client: EngineClient | None = None
+    """The engine, once it serves (the handlers know it only through `EngineClient`)."""
+    model: ModelInfo | None = None
+    """What `client` serves."""
     chat: Any = None
     """The chat frontend (templates and parsers), see `lifeline.server.chat_frontend`."""
     token_text: TokenText | None = None
@@ -93,26 +93,14 @@ class ServerState:
                    metrics=Metrics(model_id), access_log=AccessLog(),
                    tracer=Tracer.from_endpoint(config.otlp_endpoint))
 
-    def start_engine(self, load: Callable[[], LoadedModel]) -> AsyncEngine:
-        """Start the engine thread; it runs `load` and builds the engine (`attach` it once its
-        `built` is set). Loading there keeps PyTorch's parallel kernels on one thread (see
-        `lifeline.server.async_engine`)."""
-        config = self.config.engine
-        aengine = AsyncEngine(lambda: LLMEngine(load(), config))
-        aengine.start()
-        return aengine
-
-    def attach(self, aengine: AsyncEngine) -> None:
-        """Serve from `aengine`, whose engine is built (raises what building it raised)."""
+    def attach(self, client: EngineClient) -> None:
+        """Serve from `client`, which has started."""
         from lifeline.server.chat_frontend import ChatFrontend
 
-        if aengine.engine is None:
-            raise aengine.error or RuntimeError("the engine is not built yet")
-        self.loaded = loaded = aengine.engine.loaded
-        self.engine = aengine.engine
-        self.chat = ChatFrontend(loaded, self.config)
-        self.token_text = TokenText(loaded.tokenizer)
-        self.aengine = aengine
+        self.model = client.model_info()
+        self.chat = ChatFrontend(self.model, client.tokenizer, self.config)
+        self.token_text = TokenText(client.tokenizer)
+        self.client = client
         freeze_startup_heap()
 
     def fail(self, exc: BaseException) -> None:
@@ -129,36 +117,36 @@ class ServerState:
         if not self.alive:
             return {"status": "engine_dead"}
         body: dict[str, Any] = {"status": "ok"}
-        if self.engine is not None:
-            errors = self.engine.step_errors
-            body["step_errors"] = {"count": errors.count,
-                                   "requests_failed": errors.requests_failed,
-                                   "last_error": errors.last_error,
-                                   "last_time": errors.last_time}
+        if self.client is not None:
+            stats = self.client.stats()
+            body["step_errors"] = {"count": stats.step_errors,
+                                   "requests_failed": stats.step_error_requests,
+                                   "last_error": stats.last_step_error,
+                                   "last_time": stats.last_step_error_time}
         return body
 
     @property
     def ready(self) -> bool:
-        return self.aengine is not None and self.alive and not self.admission.draining
+        return self.client is not None and self.alive and not self.admission.draining
 
     @property
     def alive(self) -> bool:
-        """False once the engine thread has died (a server without an engine is no use)."""
-        return self.aengine is None or self.aengine.error is None
+        """False once the engine has died (a server without an engine is no use)."""
+        return self.client is None or self.client.dead_error is None
 
-    def require_engine(self) -> AsyncEngine:
+    def require_client(self) -> EngineClient:
         self.admission.check_open()
-        if self.aengine is None:
+        if self.client is None:
             raise APIError(503, "the model is not loaded yet", None, "loading", 1.0)
-        if self.aengine.error is not None:
+        error = self.client.dead_error
+        if error is not None:
             if not self.engine_error_logged:
                 self.engine_error_logged = True
-                error = self.aengine.error
                 log.error("the engine stopped", exc_info=(type(error), error,
                                                           error.__traceback__))
             raise APIError(503, "the engine stopped; the server log says why", None,
                            "engine_dead")
-        return self.aengine
+        return self.client
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_id:

@@ -6,9 +6,9 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from lifeline.engine.engine import RequestOutput
 from lifeline.engine.sampler import TokenLogprobs
 from lifeline.server.chat_frontend import Delta
+from lifeline.server.engine_client import GenerationOutput
 from lifeline.server.generation import Cancelled, Choice
 from lifeline.server.job import Job, as_api_error
 from lifeline.server.responses import sse
@@ -32,7 +32,7 @@ class _Stream:
                 "created": self.job.created, "model": self.job.state.model_id,
                 "choices": choices, **extra}
 
-    def absorb(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
+    def absorb(self, choice: Choice, out: GenerationOutput) -> dict[str, Any] | None:
         raise NotImplementedError
 
     def cut_off(self, choice: Choice) -> dict[str, Any]:
@@ -118,7 +118,7 @@ class ChatStream(_Stream):
                              "logprobs": None, "finish_reason": None}])
                 for c in self.job.choices]
 
-    def absorb(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
+    def absorb(self, choice: Choice, out: GenerationOutput) -> dict[str, Any] | None:
         parser = choice.state
         was_reasoning = parser.in_reasoning
         delta = parser.feed(out.new_text)
@@ -148,9 +148,11 @@ class ChatStream(_Stream):
         return {"index": choice.index, "delta": self._delta_body(delta), "logprobs": None,
                 "finish_reason": choice.finish_reason or "abort"}
 
-    def _first_answer(self, out: RequestOutput) -> None:
+    def _first_answer(self, out: GenerationOutput) -> None:
         """The first token after a reasoning section (of any choice)."""
-        at = out.request.timeline.token_times[-1]
+        at = out.token_time
+        if at is None:
+            return
         if self.job.first_answer is None or at < self.job.first_answer:
             self.job.first_answer = at
 
@@ -205,7 +207,7 @@ class CompletionStream(_Stream):
         self.echoed: dict[int, list[TokenLogprobs | None] | None] = {}
         """Choices whose prompt was echoed, with its logprobs (when asked for)."""
 
-    def absorb(self, choice: Choice, out: RequestOutput) -> dict[str, Any] | None:
+    def absorb(self, choice: Choice, out: GenerationOutput) -> dict[str, Any] | None:
         text, offset = out.new_text, self.offsets[choice.index]
         logprobs = None
         if choice.params.logprobs is not None:
@@ -232,8 +234,7 @@ class CompletionStream(_Stream):
         prompt = body.prompts[choice.index // body.n]
         if isinstance(prompt, str):
             return prompt
-        return self.job.state.loaded.tokenizer.decode(choice.prompt_ids,
-                                                      body.skip_special_tokens)
+        return self.job.state.client.detokenize(choice.prompt_ids, body.skip_special_tokens)
 
     def _prompt_logprobs(self, choice: Choice) -> dict[str, Any]:
         """The echoed prompt's tokens: the first unscored, the others with their logprobs."""

@@ -5,7 +5,7 @@ import signal
 import socket
 import threading
 import time
-from typing import Self
+from typing import Any, Self
 
 import uvicorn
 
@@ -37,6 +37,12 @@ class ServerThread:
     @property
     def state(self) -> ServerState:
         return self.app.state.lifeline
+
+    @property
+    def engine(self) -> Any:
+        """The `LLMEngine` behind the in-process client, for tests that inject faults into it or
+        read its KV cache (the server itself knows it only as an `EngineClient`)."""
+        return self.state.client.engine
 
     @property
     def base_url(self) -> str:
