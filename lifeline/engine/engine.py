@@ -134,10 +134,7 @@ class LLMEngine:
         if config.weights != "fp32":
             apply_weight_format(loaded.model, config.weights)
             loaded.weight_format = f"{loaded.weight_format}->{config.weights}"
-        window = layout.group("sliding")
-        self.runner = ModelRunner(loaded.model, mcfg, layout.groups[0].num_blocks,
-                                  config.block_size, device=config.device,
-                                  window_blocks=window.num_blocks if layout.hybrid else None)
+        self.runner = ModelRunner(loaded.model, mcfg, layout, device=config.device)
         self.compiled = config.compile and self.runner.compile()
         """Whether the forward runs compiled (config.compile, where the model supports it)."""
         stats = getattr(loaded.model, "moe_stats", None)

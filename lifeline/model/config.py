@@ -139,9 +139,6 @@ class ModelConfig:
         ffn += (3 * h * shared + h) if shared else 0
         return attn + norms + ffn
 
-    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
 
 def gemma3_layer_types(num_layers: int, pattern: int = 6) -> list[str]:
     return ["full" if (i + 1) % pattern == 0 else "sliding" for i in range(num_layers)]
