@@ -166,7 +166,7 @@ def test_shared_prefixes_through_a_hybrid_cache_give_transformers_greedy(tiny_ge
     assert [g.window for g in kv.groups] == [None, 8]
     if window_blocks != 64:  # a window pool so small that cached window blocks get evicted
         kv.groups[1] = BlockManager(window_blocks, 4, True, 8, 16)
-        caches = llm.engine.runner.kv_caches
+        caches = llm.engine.executor.runner.kv_caches
         caches[0] = tuple(t[:window_blocks * 4] for t in caches[0])
         caches[1] = tuple(t[:window_blocks * 4] for t in caches[1])
     prefix = random_prompt(30, 1, 320)

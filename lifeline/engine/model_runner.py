@@ -11,6 +11,7 @@ from lifeline.engine.request import Request
 from lifeline.engine.scheduler import ScheduledRequest, SchedulerOutput
 from lifeline.model.config import ModelConfig
 from lifeline.model.layers.attention import AttentionMetadata, PrefillSeq
+from lifeline.model.weight_format import has_shortlist
 
 
 @dataclass(slots=True)
@@ -39,9 +40,6 @@ class ModelRunner:
         self.model = model
         self.forward = model
         """`model`, or its compiled forward (`compile`)."""
-        self.last_argmax: torch.Tensor | None = None
-        """Per row of the last `execute`'s logits, its argmax where the LM head's shortlist
-        proved it, else -1; None for heads without one (weight_format.shortlist_argmax)."""
         self.config = config
         self.block_size = block_size = layout.block_size
         self.device = torch.device(device)
@@ -166,15 +164,23 @@ class ModelRunner:
                           sample_rows, sampling, spans)
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits `[len(logit_rows), vocab]` in float32."""
-        dev = self.device
-        hidden = self.forward(inputs.input_ids.to(dev), inputs.positions.to(dev), self.kv_caches,
-                            inputs.meta.to(dev))
-        self.last_argmax = None
+    def execute(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits `[len(logit_rows), vocab]` in float32 and, per row, its argmax where the LM
+        head's shortlist proves it, else -1 (None for a head without a shortlist)."""
+        hidden = self._forward(inputs)
         if inputs.logit_rows.numel() == 0:
-            return hidden.new_empty(0, self.config.vocab_size)
-        logits = self.model.compute_logits(hidden[inputs.logit_rows.to(dev)]).float()
+            return hidden.new_empty(0, self.config.vocab_size), None
+        logits, argmax = self._logits(hidden[inputs.logit_rows.to(self.device)])
+        return logits.float(), argmax
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model's call: hidden states of every scheduled token."""
+        dev = self.device
+        return self.forward(inputs.input_ids.to(dev), inputs.positions.to(dev), self.kv_caches,
+                            inputs.meta.to(dev))
+
+    def _logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         head = self.model.lm_head
-        self.last_argmax, head.last_argmax = getattr(head, "last_argmax", None), None
-        return logits
+        if has_shortlist(head):  # every family's compute_logits is its head alone
+            return head(hidden, with_argmax=True)
+        return self.model.compute_logits(hidden), None

@@ -82,7 +82,6 @@ class Request:
     """Mixed into the first block's hash (the cache salt), so equal ids can differ: requests
     whose keys differ never share a prefix-cache block."""
     timeline: Timeline = field(default_factory=Timeline)
-    generator: Any = None
     logprobs: list[Any] = field(default_factory=list)
     want_prompt_logits: bool = False
     prompt_logits: list[Any] = field(default_factory=list)
