@@ -21,6 +21,7 @@ from lifeline.tokenizer import IncrementalDetokenizer
 if TYPE_CHECKING:
     import torch
 
+    from lifeline.engine.moe_usage import MoEAccounting
     from lifeline.model.loader import LoadedModel
 
 log = logging.getLogger("lifeline.engine")
@@ -135,7 +136,7 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len),
             self.block_manager)
         self.executor: Executor = (executor or self._model_executor)(layout)
-        self.moe = None
+        self.moe: MoEAccounting | None = None
         """Routing accounting of an MoE model (None for a dense one)."""
         if mcfg.num_experts:
             from lifeline.engine.moe_usage import MoEAccounting

@@ -100,7 +100,9 @@ class MoEAccounting:
     def __init__(self, config: ModelConfig):
         self.config = config
         self.static_params = config.static_params_read()
-        num_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
+        self.layers = [i for i in range(config.num_layers) if config.is_moe_layer(i)]
+        """Decoder layer index of each row of the counts (dense layers have none)."""
+        num_layers = len(self.layers)
         self.totals = torch.zeros(num_layers, config.num_experts, dtype=torch.long)
         """Cumulative (token, expert) pairs per layer and expert; replaced, never changed in
         place, so another thread can read a consistent snapshot."""
