@@ -138,10 +138,10 @@ class LLMEngine:
         self.executor: Executor = (executor or self._model_executor)(layout)
         self.moe: MoEAccounting | None = None
         """Routing accounting of an MoE model (None for a dense one)."""
-        if mcfg.num_experts:
-            from lifeline.engine.moe_usage import MoEAccounting
+        if mcfg.num_experts:  # its accounting is torch's
+            from lifeline.engine import moe_usage
 
-            self.moe = MoEAccounting(mcfg)
+            self.moe = moe_usage.MoEAccounting(mcfg)
         self.eos_token_ids = frozenset(getattr(self.tokenizer, "eos_token_ids", ()) or ())
         self.requests: dict[str, Request] = {}
         self._outputs: dict[str, _OutputState] = {}
