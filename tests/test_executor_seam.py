@@ -37,8 +37,7 @@ STAND_IN = textwrap.dedent("""
                                for s in scheduled.scheduled])
             sampled = [s.request for s in scheduled.scheduled if s.samples]
             return ModelOutput(tuple(r.request_id for r in sampled),
-                               tuple(ANSWER[r.num_output_tokens] for r in sampled),
-                               (None,) * len(sampled))
+                               tuple(ANSWER[r.num_output_tokens] for r in sampled))
 
 
     model = SimpleNamespace(config=preset_config("gemma-3-270m"), tokenizer=tokenizer)

@@ -50,7 +50,7 @@ class ModelOutput:
     """The requests that sampled a token this step, in the order of `token_ids`."""
     token_ids: tuple[int, ...] = ()
     logprobs: tuple[TokenLogprobs | None, ...] = ()
-    """Per sampled token, where its request asked for logprobs."""
+    """Per sampled token, where its request asked for logprobs (empty: none did)."""
     shortlist_argmax: tuple[int, ...] | None = None
     """Where greedy took every token from the LM head's shortlist proof
     (`lifeline.model.weight_format.shortlist_argmax`) instead of a pass over the vocabulary:
@@ -64,6 +64,14 @@ class ModelOutput:
     rows, `[tokens, vocab]`."""
     moe: MoECounts | None = None
     """An MoE model's routing this step; None for a dense one."""
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.request_ids):
+            raise ValueError("one sampled token per request id")
+        if not self.logprobs:
+            object.__setattr__(self, "logprobs", (None,) * len(self.token_ids))
+        elif len(self.logprobs) != len(self.token_ids):
+            raise ValueError("logprobs, when given, are one per sampled token")
 
 
 class Executor(Protocol):
