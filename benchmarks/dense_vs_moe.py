@@ -60,6 +60,7 @@ def run_model(name: str, steps: int) -> dict[str, Any]:
     import torch
 
     from lifeline.engine.engine import EngineConfig, LLMEngine
+    from lifeline.engine.kv_layout import kv_bytes_per_token
     from lifeline.engine.sampling_params import SamplingParams
     from lifeline.model.loader import load_model
 
@@ -71,7 +72,7 @@ def run_model(name: str, steps: int) -> dict[str, Any]:
     engine = LLMEngine(loaded, EngineConfig(
         num_kv_blocks=blocks, max_num_seqs=max(CONCURRENCY), max_num_batched_tokens=PREFILL,
         enable_prefix_caching=False))
-    kv_mb = blocks * 16 * cfg.kv_bytes_per_token() / 2**20
+    kv_mb = blocks * 16 * kv_bytes_per_token(cfg, num_layers=cfg.num_layers) / 2**20
     rss_loaded = _rss_mb()
     out: dict[str, Any] = {
         "model": name, "total_params": cfg.num_params(), "active_params": cfg.num_active_params(),

@@ -25,7 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from lifeline.engine.kv_layout import layer_bytes_per_token, plan_kv
+from lifeline.engine.kv_layout import kv_bytes_per_token, plan_kv
 from lifeline.engine.request import Request
 from lifeline.engine.sampling_params import SamplingParams
 from lifeline.engine.scheduler import Scheduler, SchedulerConfig
@@ -87,7 +87,7 @@ def sliding_windows(dtype_bytes: int, contexts: tuple[int, ...]) -> list[dict]:
     rows = []
     for preset in ("gemma-3-270m", "gemma-3-1b", "gemma-3-27b"):
         cfg = preset_config(preset)
-        per_layer = layer_bytes_per_token(cfg, dtype_bytes)
+        per_layer = kv_bytes_per_token(cfg, dtype_bytes)
         full = sum(t == "full" for t in cfg.layer_types)
         sliding = cfg.num_layers - full
         for context in contexts:

@@ -117,7 +117,7 @@ def module_part(name: str) -> str | None:
 
 def instrument(engine: Any) -> PartTimer:
     timer = PartTimer()
-    model = engine.runner.model
+    model = engine.executor.runner.model
     for name, module in model.named_modules():
         part = module_part(name)
         if part is not None:
@@ -125,9 +125,9 @@ def instrument(engine: Any) -> PartTimer:
     timer.hook(model, "model glue (residual adds)")
     timer.wrap(engine.scheduler, "schedule", "scheduler: schedule")
     timer.wrap(engine.scheduler, "update", "scheduler: update")
-    timer.wrap(engine.runner, "prepare", "prepare inputs (slots, block tables)")
-    timer.wrap(engine.runner, "execute", "logit rows: gather + cast")
-    timer.wrap(engine, "_sample", "sampling")
+    timer.wrap(engine.executor.runner, "prepare", "prepare inputs (slots, block tables)")
+    timer.wrap(engine.executor.runner, "execute", "logit rows: gather + cast")
+    timer.wrap(engine.executor, "_sample", "sampling")
     timer.wrap(engine, "_process_outputs", "detokenize, stop, outputs")
     timer.wrap(engine, "step", "engine Python (rest of step)")
     return timer

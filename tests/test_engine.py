@@ -52,7 +52,8 @@ def test_sixteen_concurrent_with_prefix_cache_share_blocks(loaded, prompts, alon
     engine.step()
     shared = len(llm.tokenizer.encode(SYSTEM)) // 8
     assert shared >= 2
-    tables = [r.block_ids[:shared] for r in reqs[:len(QUESTIONS)]]
+    tables = [engine.block_manager.get_blocks(r).block_ids[0][:shared]
+              for r in reqs[:len(QUESTIONS)]]
     assert all(t == tables[0] for t in tables)
     while engine.has_unfinished_requests():
         engine.step()

@@ -4,7 +4,7 @@ model still gives transformers' logits and greedy continuations."""
 import pytest
 
 from lifeline.engine.block_manager import NULL_BLOCK, BlockManager, KVCacheManager
-from lifeline.engine.kv_layout import layer_bytes_per_token, plan_kv
+from lifeline.engine.kv_layout import kv_bytes_per_token, plan_kv
 from lifeline.engine.request import Request
 from lifeline.engine.sampling_params import SamplingParams
 from lifeline.engine.scheduler import Scheduler, SchedulerConfig
@@ -26,9 +26,8 @@ def _prefill(sched: Scheduler, req: Request) -> None:
 
 def _hybrid(window: int, full_blocks: int, window_blocks: int, bs: int = 4,
             chunk: int = 16) -> KVCacheManager:
-    return KVCacheManager([BlockManager(full_blocks, bs, True, None, "block_ids", chunk),
-                           BlockManager(window_blocks, bs, True, window, "window_block_ids",
-                                        chunk)], [1, 1])
+    return KVCacheManager([BlockManager(full_blocks, bs, True, None, chunk),
+                           BlockManager(window_blocks, bs, True, window, chunk)], [1, 1])
 
 
 def test_window_group_keeps_only_the_blocks_its_window_reads():
@@ -39,7 +38,7 @@ def test_window_group_keeps_only_the_blocks_its_window_reads():
     full, window = kv.groups
     assert full.num_blocks_held(req) == 25  # 100 tokens, every block kept
     # The next query (position 100) reads positions 93..100: blocks 23, 24, 25.
-    assert req.window_block_ids[:23] == [NULL_BLOCK] * 23
+    assert window.block_table(req)[:23] == [NULL_BLOCK] * 23
     assert window.num_blocks_held(req) == 25 - 23
     while not req.is_finished:  # decode on: the window group never grows
         out = sched.schedule(now=0.0)
@@ -64,9 +63,10 @@ def test_prefix_hit_needs_the_window_blocks_before_it():
     first_window: dict[int, int] = {}
     while not first.is_finished:
         out = sched.schedule(now=0.0)
-        for j, b in enumerate(first.window_block_ids):  # before the step gives any back
+        full_table, window_table = kv.get_blocks(first).block_ids
+        for j, b in enumerate(window_table):  # before the step gives any back
             first_window.setdefault(j, b)
-        first_full = list(first.block_ids)
+        first_full = list(full_table)
         sched.update(out, {id(s.request): 1 for s in out.scheduled if s.samples})
     again = _request("b", prompt + [7, 8, 9, 10, 11])
     hit = kv.find_cached_prefix(again)
@@ -107,7 +107,7 @@ def test_manager_accounting_equals_the_formula_for_gemma_3(context):
                       kv)
     req = _request("long", [5] * context, max_tokens=2)
     _prefill(sched, req)
-    per_layer = layer_bytes_per_token(cfg, 2)
+    per_layer = kv_bytes_per_token(cfg, 2)
     full_layers = sum(t == "full" for t in cfg.layer_types)
     sliding_layers = cfg.num_layers - full_layers
     formula = per_layer * (full_layers * context + sliding_layers * min(context,
@@ -165,11 +165,10 @@ def test_shared_prefixes_through_a_hybrid_cache_give_transformers_greedy(tiny_ge
     kv = llm.engine.block_manager
     assert [g.window for g in kv.groups] == [None, 8]
     if window_blocks != 64:  # a window pool so small that cached window blocks get evicted
-        kv.groups[1] = BlockManager(window_blocks, 4, True, 8, "window_block_ids", 16)
-        llm.engine.runner.kv_caches[0] = tuple(t[:window_blocks * 4]
-                                               for t in llm.engine.runner.kv_caches[0])
-        llm.engine.runner.kv_caches[1] = tuple(t[:window_blocks * 4]
-                                               for t in llm.engine.runner.kv_caches[1])
+        kv.groups[1] = BlockManager(window_blocks, 4, True, 8, 16)
+        caches = llm.engine.executor.runner.kv_caches
+        caches[0] = tuple(t[:window_blocks * 4] for t in caches[0])
+        caches[1] = tuple(t[:window_blocks * 4] for t in caches[1])
     prefix = random_prompt(30, 1, 320)
     prompts = [prefix + random_prompt(n, 10 + n, 320) for n in (3, 9, 1, 14)]
     params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)

@@ -17,7 +17,7 @@ import hashlib
 import struct
 from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from lifeline.engine.request import Request
 
@@ -69,6 +69,22 @@ def hash_block(parent: bytes | None, token_ids: Sequence[int], extra_key: bytes 
     return hash_chain(parent, token_ids, len(token_ids), extra_key)[0]
 
 
+@dataclass(frozen=True, slots=True)
+class KVCacheBlocks:
+    """A request's block tables, one per cache group, in the groups' order (vLLM's
+    `KVCacheBlocks`). The lists are the manager's own: read them before the step's update."""
+
+    block_ids: tuple[list[int], ...]
+
+
+@dataclass(slots=True)
+class _Table:
+    """What one group keeps for one request."""
+    block_ids: list[int] = field(default_factory=list)
+    num_registered: int = 0
+    """Leading blocks already offered to the prefix cache."""
+
+
 @dataclass(slots=True)
 class PrefixCacheStats:
     queries: int = 0
@@ -78,21 +94,17 @@ class PrefixCacheStats:
 
 
 class BlockManager:
-    """One group of layers. `table` names the `Request` attribute holding this group's block
-    table (`block_ids` for the first group, `window_block_ids` for a hybrid model's sliding
-    layers), `window` the group's sliding window (None: full attention)."""
+    """One group of layers, holding each request's block table for that group. `window` is
+    the group's sliding window (None: full attention)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 window: int | None = None, table: str = "block_ids",
-                 max_chunk_tokens: int | None = None):
+                 window: int | None = None, max_chunk_tokens: int | None = None):
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be positive")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.window = window
-        self.table = table
-        self._registered = "num_registered_blocks" if table == "block_ids" else (
-            "num_registered_window_blocks")
+        self._tables: dict[str, _Table] = {}
         self.max_chunk_tokens = max_chunk_tokens
         """The most tokens one step computes for a request (the scheduler's token budget);
         bounds the live blocks of a window group."""
@@ -112,6 +124,20 @@ class BlockManager:
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def block_table(self, req: Request) -> list[int]:
+        """`req`'s table in this group (empty when it holds none)."""
+        table = self._tables.get(req.request_id)
+        return table.block_ids if table is not None else []
+
+    def get_blocks(self, req: Request) -> KVCacheBlocks:
+        return KVCacheBlocks((self.block_table(req),))
+
+    def _table(self, req: Request) -> _Table:
+        table = self._tables.get(req.request_id)
+        if table is None:
+            table = self._tables[req.request_id] = _Table()
+        return table
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -194,7 +220,7 @@ class BlockManager:
         for block_id in cached_prefix:
             if block_id != NULL_BLOCK:
                 self._touch(block_id)
-        table: list[int] = getattr(req, self.table)
+        table = self._table(req).block_ids
         table.extend(cached_prefix)
         table.extend(self._pop_free() for _ in range(max(need, 0)))
         return True
@@ -202,7 +228,7 @@ class BlockManager:
     def _need(self, req: Request, num_new_tokens: int, cached_prefix: Sequence[int]
               ) -> tuple[int, int]:
         total = req.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
-        need = self.blocks_needed(total) - len(getattr(req, self.table)) - len(cached_prefix)
+        need = self.blocks_needed(total) - len(self.block_table(req)) - len(cached_prefix)
         reusable = sum(1 for b in cached_prefix
                        if b != NULL_BLOCK and self.blocks[b].ref_cnt == 0)
         return need, reusable
@@ -211,9 +237,10 @@ class BlockManager:
         """After a step computed tokens of `req`: register its full blocks in the prefix cache,
         then give back the window blocks no later query reads (they stay cached until
         evicted, so a later request with the same prefix can still hit them)."""
-        table: list[int] = getattr(req, self.table)
+        entry = self._table(req)
+        table = entry.block_ids
         if self.enable_prefix_caching:
-            self._register(req, table)
+            self._register(req, entry)
         if self.window is not None:
             for j in range(self.first_live_block(req.num_computed_tokens)):
                 block_id = table[j]
@@ -221,11 +248,12 @@ class BlockManager:
                     table[j] = NULL_BLOCK
                     self._release(block_id)
 
-    def _register(self, req: Request, table: list[int]) -> None:
+    def _register(self, req: Request, entry: _Table) -> None:
         full = req.num_computed_tokens // self.block_size
-        done = getattr(req, self._registered)
+        done = entry.num_registered
         if full <= done:
             return
+        table = entry.block_ids
         hashes = self.compute_hashes(req, req.num_computed_tokens)
         for i in range(done, full):
             if table[i] == NULL_BLOCK:
@@ -234,23 +262,19 @@ class BlockManager:
             if block.block_hash is None and h not in self.cached:
                 block.block_hash = h
                 self.cached[h] = block.block_id
-        setattr(req, self._registered, full)
+        entry.num_registered = full
 
     def free(self, req: Request) -> None:
         """Release `req`'s blocks; tail blocks go to the front of eviction order."""
-        table: list[int] = getattr(req, self.table)
-        for block_id in reversed(table):
+        entry = self._tables.pop(req.request_id, None)
+        if entry is None:
+            return
+        for block_id in reversed(entry.block_ids):
             if block_id != NULL_BLOCK:
                 self._release(block_id)
-        setattr(req, self.table, [])
-        setattr(req, self._registered, 0)
 
     def num_blocks_held(self, req: Request) -> int:
-        return sum(1 for b in getattr(req, self.table) if b != NULL_BLOCK)
-
-    def reset_prefix_cache(self) -> None:
-        for block_id in self.free_queue:
-            self._forget(self.blocks[block_id])
+        return sum(1 for b in self.block_table(req) if b != NULL_BLOCK)
 
     def _release(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -300,8 +324,6 @@ class KVCacheManager:
             raise ValueError("one bytes_per_block per group")
         if len({g.block_size for g in groups}) != 1:
             raise ValueError("every group must use the same block size")
-        if len({g.table for g in groups}) != len(groups):
-            raise ValueError("each group needs its own block table")
         self.groups = list(groups)
         self.bytes_per_block = list(bytes_per_block)
         self.block_size = groups[0].block_size
@@ -333,6 +355,9 @@ class KVCacheManager:
     def capacity_tokens(self) -> float:
         return min(g.capacity_tokens() for g in self.groups)
 
+    def get_blocks(self, req: Request) -> KVCacheBlocks:
+        return KVCacheBlocks(tuple(g.block_table(req) for g in self.groups))
+
     def find_cached_prefix(self, req: Request) -> list[tuple[int, ...]]:
         """One entry per hit block: its table entry in each group."""
         if not self.enable_prefix_caching:
@@ -361,7 +386,3 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         for g in self.groups:
             g.free(req)
-
-    def reset_prefix_cache(self) -> None:
-        for g in self.groups:
-            g.reset_prefix_cache()

@@ -1,4 +1,6 @@
-"""The engine loop: schedule, run the model, sample, detokenize, stop; one step at a time."""
+"""The engine loop, one step at a time: schedule, execute (`Executor`), update the scheduler,
+then detokenize and check stop strings. Imports no torch: the model executor (the default) is
+imported when the engine builds it."""
 from __future__ import annotations
 
 import heapq
@@ -6,22 +8,22 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
-
-from lifeline.engine.kv_layout import plan_kv
-from lifeline.engine.model_runner import ModelRunner, StepInputs
-from lifeline.engine.moe_usage import MoEAccounting
-from lifeline.engine.prompt_logprobs import gather_prompt_logprobs, wants_prompt_logprobs
+from lifeline.engine.executor import Executor, ExecutorFactory, ModelOutput, TokenLogprobs
+from lifeline.engine.kv_layout import KVLayout, plan_kv
 from lifeline.engine.request import FinishReason, Request, RequestError, RequestStatus
-from lifeline.engine.sampler import Sampler, SamplingInput, TokenLogprobs, make_generator
 from lifeline.engine.sampling_params import SamplingParams
 from lifeline.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from lifeline.engine.stop import StopChecker
 from lifeline.engine.validation import ModelLimits, check_request
-from lifeline.model.loader import LoadedModel
-from lifeline.model.weight_format import apply_weight_format
 from lifeline.tokenizer import IncrementalDetokenizer
+
+if TYPE_CHECKING:
+    import torch
+
+    from lifeline.engine.moe_usage import MoEAccounting
+    from lifeline.model.loader import LoadedModel
 
 log = logging.getLogger("lifeline.engine")
 MAX_STEP_FAILURES = 3
@@ -56,8 +58,8 @@ class EngineConfig:
 
     compile: bool = False
     """Run the model's forward through `torch.compile` (CPU, dense families; others stay
-    eager): fused small kernels, ~20% faster decode of one request, a compile of seconds to a
-    minute at the start (`LLMEngine.warmup`). The command line's `serve` defaults to it."""
+    eager): fused small kernels and a faster decode (docs/performance.md), a compile at the
+    start (`LLMEngine.warmup`). The command line's `serve` defaults to it."""
 
     def __post_init__(self) -> None:
         if self.block_size < 1:
@@ -113,10 +115,13 @@ class _OutputState:
 
 
 class LLMEngine:
-    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None):
+    """`loaded`: the model (its config and tokenizer; a `LoadedModel` for the default
+    executor). `executor`: builds the executor from the KV layout; by default the model
+    executor over `loaded`'s weights."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig | None = None,
+                 executor: ExecutorFactory | None = None):
         self.config = config = config or EngineConfig()
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
         self.model_config = mcfg = loaded.config
         self.tokenizer = loaded.tokenizer
         self.loaded = loaded
@@ -131,21 +136,14 @@ class LLMEngine:
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len),
             self.block_manager)
-        loaded.model.to(config.device)
-        if config.weights != "fp32":
-            apply_weight_format(loaded.model, config.weights)
-            loaded.weight_format = f"{loaded.weight_format}->{config.weights}"
-        window = layout.group("sliding")
-        self.runner = ModelRunner(loaded.model, mcfg, layout.groups[0].num_blocks,
-                                  config.block_size, device=config.device,
-                                  window_blocks=window.num_blocks if layout.hybrid else None)
-        self.compiled = config.compile and self.runner.compile()
-        """Whether the forward runs compiled (config.compile, where the model supports it)."""
-        stats = getattr(loaded.model, "moe_stats", None)
-        self.moe = MoEAccounting(mcfg, stats) if stats is not None else None
+        self.executor: Executor = (executor or self._model_executor)(layout)
+        self.moe: MoEAccounting | None = None
         """Routing accounting of an MoE model (None for a dense one)."""
+        if mcfg.num_experts:  # its accounting is torch's
+            from lifeline.engine import moe_usage
+
+            self.moe = moe_usage.MoEAccounting(mcfg)
         self.eos_token_ids = frozenset(getattr(self.tokenizer, "eos_token_ids", ()) or ())
-        self.sampler = Sampler(self.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._outputs: dict[str, _OutputState] = {}
         self._deadlines: list[tuple[float, int, Request]] = []
@@ -153,6 +151,16 @@ class LLMEngine:
         self.step_errors = StepErrors()
         self.clock = time.perf_counter
         self.warmup()
+
+    def _model_executor(self, layout: KVLayout) -> Executor:
+        from lifeline.engine.model_executor import ModelExecutor
+
+        return ModelExecutor(self.loaded, self.config, layout)
+
+    @property
+    def compiled(self) -> bool:
+        """Whether the forward runs compiled (config.compile, where the model supports it)."""
+        return self.executor.compiled
 
     def _clamp_model_len(self, asked: int | None, max_position: int) -> int:
         """The longest context served: what was asked (or the model's own), no more than the
@@ -211,8 +219,7 @@ class LLMEngine:
         req.timeline.arrival_wall = time.time()
         req.timeline.tokenized = self.clock()
         self._validate(req)
-        req.want_prompt_logits = wants_prompt_logprobs(req)
-        req.generator = make_generator(params.seed)
+        req.want_prompt_logits = params.prompt_logprobs is not None
         self.scheduler.add_request(req)
         req.timeline.queued = self.clock()
         self.requests[request_id] = req
@@ -242,7 +249,10 @@ class LLMEngine:
 
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
         """Logits `[T, vocab]` at every prompt position, computed through the normal step path
-        (scheduler, chunked prefill, paged KV), bypassing the prefix cache."""
+        (scheduler, chunked prefill, paged KV), bypassing the prefix cache. The model
+        executor's: the chunks are its tensors."""
+        import torch
+
         req = self.add_request(token_ids, SamplingParams(max_tokens=1, temperature=0))
         req.want_prompt_logits = True
         while not req.is_finished:
@@ -271,60 +281,37 @@ class LLMEngine:
         if out.is_empty:
             return ended + self._refuse_unschedulable()
         try:
-            inputs, sampled, started, done = self._compute(out)
+            result, started, done = self._execute(out)
         except Exception as exc:  # noqa: BLE001 - one request fails, not the engine
             return ended + self._fail_step(out, exc, isolate=len(out.scheduled) > 1)
         try:
             self._record_prefill(out, started, done)
-            finished = self.scheduler.update(out, {id(r): t for r, t in zip(inputs.sampling,
-                                                                             sampled.token_ids)})
-            return ended + self._process_outputs(inputs, sampled.logprobs, finished, done)
+            requests = [self.requests[rid] for rid in result.request_ids]
+            finished = self.scheduler.update(out, {id(r): t for r, t in zip(requests,
+                                                                             result.token_ids)})
+            return ended + self._process_outputs(requests, result, finished, done)
         except Exception as exc:  # noqa: BLE001 - state half-advanced: fail the batch
             return ended + self._fail_step(out, exc, isolate=False)
 
-    def _compute(self, out: SchedulerOutput):
-        inputs = self.runner.prepare(out)
+    def _execute(self, out: SchedulerOutput) -> tuple[ModelOutput, float, float]:
         if any(s.request.fault == "step" for s in out.scheduled):
             raise InjectedFault("fault injected by a request (X-Lifeline-Fault: step)")
         started = self.clock()
-        if self.moe is not None:
-            tokens = [s.num_new_tokens for s in inputs.order]
-            # Segment i (the i-th scheduled request) labels its tokens in the flattened step.
-            self.moe.begin(torch.repeat_interleave(torch.arange(len(tokens)),
-                                                   torch.tensor(tokens)), len(tokens))
-        logits = self.runner.execute(inputs)
-        if self.moe is not None:
-            self.moe.end([s.request.request_id for s in inputs.order], tokens)
-        self._record_prompt_logits(inputs, logits)
-        sampled = self._sample(inputs, logits)
-        return inputs, sampled, started, self.clock()
+        result = self.executor.execute(out)
+        if result.moe is not None and self.moe is not None:
+            self.moe.end(result.moe)
+        self._record_prompt_outputs(result)
+        return result, started, self.clock()
 
-    def _sample(self, inputs: StepInputs, logits: torch.Tensor):
-        # sample_rows rise strictly below len(logits): as many as rows means every row, in order
-        every = len(inputs.sample_rows) == logits.shape[0]
-        rows = logits if every else logits[inputs.sample_rows]  # a decode step: no 16 MB copy
-        argmax = self.runner.last_argmax
-        if argmax is not None and not every:
-            argmax = argmax[inputs.sample_rows]
-        batch = [SamplingInput(r.params, r.prompt_token_ids, r.output_token_ids, r.generator,
-                               r.sampling_plan) for r in inputs.sampling]
-        return self.sampler(rows, batch, argmax)
-
-    def _record_prompt_logits(self, inputs: StepInputs, logits: torch.Tensor) -> None:
-        for req, first, count in inputs.prompt_logit_spans:
-            if wants_prompt_logprobs(req):
-                self._record_prompt_logprobs(req, logits[first:first + count])
-            else:
-                req.prompt_logits.append(logits[first:first + count].clone())
-
-    def _record_prompt_logprobs(self, req: Request, rows: torch.Tensor) -> None:
-        """Before `scheduler.update`, so `num_computed_tokens` is the chunk's first position."""
-        state = self._outputs[req.request_id].prompt_logprobs
-        if state is None:
-            return
-        for pos, lp in gather_prompt_logprobs(rows, req.num_computed_tokens,
-                                              req.prompt_token_ids, req.params.prompt_logprobs):
-            state[pos] = lp
+    def _record_prompt_outputs(self, result: ModelOutput) -> None:
+        for rid, chunk in result.prompt_logits.items():
+            self.requests[rid].prompt_logits.append(chunk)
+        for rid, entries in result.prompt_logprobs.items():
+            state = self._outputs[rid].prompt_logprobs
+            if state is None:
+                continue
+            for pos, lp in entries:
+                state[pos] = lp
 
     def _take_prompt_logprobs(self, req: Request) -> list[TokenLogprobs | None] | None:
         state = self._outputs[req.request_id]
@@ -338,10 +325,10 @@ class LLMEngine:
             if s.num_new_tokens > 1 or s.start < s.request.num_prompt_tokens:
                 s.request.timeline.prefill_chunks.append((start, end, s.num_new_tokens))
 
-    def _process_outputs(self, inputs: StepInputs, logprobs: list, finished: list[Request],
-                         now: float) -> list[RequestOutput]:
+    def _process_outputs(self, requests: list[Request], result: ModelOutput,
+                         finished: list[Request], now: float) -> list[RequestOutput]:
         results = []
-        for req, lp in zip(inputs.sampling, logprobs):
+        for req, lp in zip(requests, result.logprobs):
             token = req.output_token_ids[-1]
             tl = req.timeline
             tl.token_times.append(now)

@@ -25,8 +25,6 @@ class KVGroup:
     """'full' or 'sliding'."""
     num_layers: int
     window: int | None
-    table: str
-    """The `Request` attribute holding the group's block table."""
     num_blocks: int
     bytes_per_block: int
 
@@ -48,17 +46,22 @@ class KVLayout:
     def group(self, name: str) -> KVGroup | None:
         return next((g for g in self.groups if g.name == name), None)
 
+    def group_index(self, layer_type: str) -> int:
+        """The group holding a layer of `layer_type` ('full', 'sliding'): its own where the
+        layout has one, else the only group."""
+        return next((i for i, g in enumerate(self.groups) if g.name == layer_type), 0)
+
     def manager(self, enable_prefix_caching: bool = True,
                 max_chunk_tokens: int | None = None) -> KVCacheManager:
         return KVCacheManager(
             [BlockManager(g.num_blocks, self.block_size, enable_prefix_caching, g.window,
-                          g.table, max_chunk_tokens) for g in self.groups],
+                          max_chunk_tokens) for g in self.groups],
             [g.bytes_per_block for g in self.groups])
 
 
-def layer_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4) -> int:
-    """K and V of one layer for one token."""
-    return 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes
+def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4, num_layers: int = 1) -> int:
+    """K and V of `num_layers` layers for one token (the only place this is computed)."""
+    return 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes * num_layers
 
 
 def plan_kv(cfg: ModelConfig, block_size: int, *, memory_bytes: int | None = None,
@@ -69,7 +72,7 @@ def plan_kv(cfg: ModelConfig, block_size: int, *, memory_bytes: int | None = Non
     `memory_bytes`. `sliding_window_kv=False` treats every layer as global (one group)."""
     if num_blocks is None and memory_bytes is None:
         raise ValueError("give num_blocks or memory_bytes")
-    per_layer = layer_bytes_per_token(cfg, dtype_bytes) * block_size
+    per_layer = kv_bytes_per_token(cfg, dtype_bytes) * block_size
     sliding = sum(t == "sliding" for t in cfg.layer_types) if (
         sliding_window_kv and cfg.sliding_window) else 0
     full = cfg.num_layers - sliding
@@ -78,8 +81,7 @@ def plan_kv(cfg: ModelConfig, block_size: int, *, memory_bytes: int | None = Non
         name = "sliding" if sliding else "full"
         bpb = per_layer * cfg.num_layers
         blocks = num_blocks or max(1, memory_bytes // bpb)
-        return KVLayout(block_size, (KVGroup(name, cfg.num_layers, window, "block_ids",
-                                             blocks, bpb),))
+        return KVLayout(block_size, (KVGroup(name, cfg.num_layers, window, blocks, bpb),))
     full_bpb, window_bpb = per_layer * full, per_layer * sliding
     if num_blocks is not None:
         full_blocks = window_blocks = num_blocks
@@ -90,6 +92,5 @@ def plan_kv(cfg: ModelConfig, block_size: int, *, memory_bytes: int | None = Non
         window_blocks = max(1, min(window_blocks, share))
         full_blocks = max(1, (memory_bytes - window_blocks * window_bpb) // full_bpb)
     return KVLayout(block_size, (
-        KVGroup("full", full, None, "block_ids", full_blocks, full_bpb),
-        KVGroup("sliding", sliding, cfg.sliding_window, "window_block_ids", window_blocks,
-                window_bpb)))
+        KVGroup("full", full, None, full_blocks, full_bpb),
+        KVGroup("sliding", sliding, cfg.sliding_window, window_blocks, window_bpb)))

@@ -6,11 +6,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from lifeline.engine.kv_layout import KVLayout
 from lifeline.engine.request import Request
 from lifeline.engine.scheduler import ScheduledRequest, SchedulerOutput
 from lifeline.model.config import ModelConfig
 from lifeline.model.context import forward_context
 from lifeline.model.layers.attention import AttentionMetadata, PrefillSeq
+from lifeline.model.weight_format import has_shortlist
 
 
 @dataclass(slots=True)
@@ -30,30 +32,30 @@ class StepInputs:
 
 
 class ModelRunner:
-    """`num_blocks` sizes every layer's pool, unless `window_blocks` is given: then the model's
-    sliding-window layers form a group of their own (table `Request.window_block_ids`) with
-    pools of `window_blocks` blocks."""
+    """Each layer's K and V pools have the blocks of its cache group in `layout`. The first
+    group's tables give the attention metadata; a hybrid layout's second group (the
+    sliding-window layers) gives `meta.window_meta`."""
 
-    def __init__(self, model: nn.Module, config: ModelConfig, num_blocks: int, block_size: int,
-                 kv_dtype: torch.dtype = torch.float32, device: str = "cpu",
-                 window_blocks: int | None = None):
+    def __init__(self, model: nn.Module, config: ModelConfig, layout: KVLayout,
+                 kv_dtype: torch.dtype = torch.float32, device: str = "cpu"):
         self.model = model
         self.forward = model
         """`model`, or its compiled forward (`compile`)."""
-        self.last_argmax: torch.Tensor | None = None
-        """Per row of the last `execute`'s logits, its argmax where the LM head's shortlist
-        proved it, else -1; None for heads without one (weight_format.shortlist_argmax)."""
         self.config = config
-        self.block_size = block_size
+        self.block_size = block_size = layout.block_size
         self.device = torch.device(device)
-        self.hybrid = window_blocks is not None
-        self.window = config.sliding_window
-        all_sliding = bool(config.sliding_window) and set(config.layer_types) == {"sliding"}
-        self.main_window = self.window if all_sliding else None
-        """The window of the main table's layers when every layer slides (else None)."""
+        if len(layout.groups) > 2:
+            raise ValueError("attention reads at most two cache groups (full and sliding)")
+        kinds: list[set[str]] = [set() for _ in layout.groups]
+        for layer_type in config.layer_types:
+            kinds[layout.group_index(layer_type)].add(layer_type)
+        self.windows = [config.sliding_window if k == {"sliding"} and config.sliding_window
+                        else None for k in kinds]
+        """Per group, the window its layers all slide by (None: not all of them slide), even
+        where the pool keeps every block (`sliding_window_kv=False`)."""
         self.kv_caches = []
         for layer_type in config.layer_types:
-            blocks = window_blocks if self.hybrid and layer_type == "sliding" else num_blocks
+            blocks = layout.groups[layout.group_index(layer_type)].num_blocks
             shape = (blocks * block_size, config.num_kv_heads, config.head_dim)
             self.kv_caches.append((torch.zeros(shape, dtype=kv_dtype, device=self.device),
                                    torch.zeros(shape, dtype=kv_dtype, device=self.device)))
@@ -67,11 +69,6 @@ class ModelRunner:
             return False
         self.forward = compile_forward(self.model)
         return True
-
-    @staticmethod
-    def blocks_for_memory(config: ModelConfig, block_size: int, memory_bytes: int,
-                          dtype_bytes: int = 4) -> int:
-        return max(1, memory_bytes // (config.kv_bytes_per_token(dtype_bytes) * block_size))
 
     def slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
         """Cache slots of positions [start, end); given-back window blocks (-1) read block 0,
@@ -88,21 +85,22 @@ class ModelRunner:
             req, start, end = s.request, s.start, s.start + s.num_new_tokens
             ids.extend(req.all_token_ids[start:end] if s.num_new_tokens > 1 else [req.token_at(start)])
             positions.append(torch.arange(start, end))
-        meta = self._attention_meta(order, "block_ids", self.main_window)
-        if self.hybrid:
-            meta.window_meta = self._attention_meta(order, "window_block_ids", self.window)
+        meta = self._attention_meta(order, 0, self.windows[0])
+        if len(self.windows) > 1:
+            meta.window_meta = self._attention_meta(order, 1, self.windows[1])
         return self._logit_plan(order, torch.tensor(ids, dtype=torch.long),
                                 torch.cat(positions), meta)
 
-    def _attention_meta(self, order: list[ScheduledRequest], table: str,
+    def _attention_meta(self, order: list[ScheduledRequest], group: int,
                         window: int | None = None) -> AttentionMetadata:
-        """Slots through one block table. With a `window`, every layer that reads this table
-        slides, so each query's context starts at the oldest position its window reaches."""
+        """Slots through the block tables of cache group `group`. With a `window`, every layer
+        of the group slides, so each query's context starts at the oldest position its window
+        reaches."""
         slot_parts, prefills = [], []
         decodes = [s for s in order if s.num_new_tokens == 1]
         offset = 0
         for s in order:
-            block_table = getattr(s.request, table)
+            block_table = s.blocks.block_ids[group]
             start, end = s.start, s.start + s.num_new_tokens
             if s.num_new_tokens == 1:
                 slot_parts.append(self.slots(block_table, start, end))
@@ -115,11 +113,11 @@ class ModelRunner:
         meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts), num_decodes=len(decodes),
                                  prefills=prefills)
         if decodes:
-            self._decode_meta(meta, decodes, table, window)
+            self._decode_meta(meta, decodes, group, window)
         return meta
 
     def _decode_meta(self, meta: AttentionMetadata, decodes: list[ScheduledRequest],
-                     table_name: str, window: int | None) -> None:
+                     group: int, window: int | None) -> None:
         """Each decode's context slots, padded to the longest; positions count from the first
         gathered one (with a window: the oldest position the window reaches)."""
         bs = self.block_size
@@ -130,7 +128,7 @@ class ModelRunner:
         table = torch.zeros(len(decodes), int(spans.max()), dtype=torch.long)
         for i, s in enumerate(decodes):
             lo, n = int(first_blocks[i]), int(spans[i])
-            table[i, :n] = torch.tensor(getattr(s.request, table_name)[lo:lo + n])
+            table[i, :n] = torch.tensor(s.blocks.block_ids[group][lo:lo + n])
         table.clamp_min_(0)
         slots = (table.unsqueeze(-1) * bs + torch.arange(bs)).reshape(len(decodes), -1)
         skip = firsts - first_blocks * bs  # positions before `firsts` in the first block
@@ -167,15 +165,23 @@ class ModelRunner:
                           sample_rows, sampling, spans)
 
     @torch.inference_mode()
-    def execute(self, inputs: StepInputs) -> torch.Tensor:
-        """Logits `[len(logit_rows), vocab]` in float32."""
+    def execute(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits `[len(logit_rows), vocab]` in float32 and, per row, its argmax where the LM
+        head's shortlist proves it, else -1 (None for a head without a shortlist)."""
+        hidden = self._forward(inputs)
+        if inputs.logit_rows.numel() == 0:
+            return hidden.new_empty(0, self.config.vocab_size), None
+        logits, argmax = self._logits(hidden[inputs.logit_rows.to(self.device)])
+        return logits.float(), argmax
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        """The model's call: hidden states of every scheduled token."""
         dev = self.device
         with forward_context(inputs.meta.to(dev), self.kv_caches):
-            hidden = self.forward(inputs.input_ids.to(dev), inputs.positions.to(dev))
-        self.last_argmax = None
-        if inputs.logit_rows.numel() == 0:
-            return hidden.new_empty(0, self.config.vocab_size)
-        logits = self.model.compute_logits(hidden[inputs.logit_rows.to(dev)]).float()
+            return self.forward(inputs.input_ids.to(dev), inputs.positions.to(dev))
+
+    def _logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         head = self.model.lm_head
-        self.last_argmax, head.last_argmax = getattr(head, "last_argmax", None), None
-        return logits
+        if has_shortlist(head):  # every family's compute_logits is its head alone
+            return head(hidden, with_argmax=True)
+        return self.model.compute_logits(hidden), None

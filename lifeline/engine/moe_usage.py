@@ -1,8 +1,8 @@
 """What Mixture-of-Experts routing cost, per step and per request.
 
 The model's `MoEStats` counts (token, expert) pairs per MoE layer, split by scheduled request;
-after each step the engine turns them into a `MoEStep` (what that step read) and adds each
-request's slice to its `MoEUsage`. Definitions (docs/architecture.md, "MoE accounting"):
+the model executor hands them over in each step's `ModelOutput.moe`, and the engine turns them
+into a `MoEStep` (what that step read) and adds each request's slice to its `MoEUsage`. Definitions (docs/architecture.md, "MoE accounting"):
 
 - experts touched: distinct experts that ran in a layer (for a step: for any of its tokens;
   for a request: for any of its tokens over its whole life).
@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from lifeline.engine.executor import MoECounts
 from lifeline.model.config import ModelConfig
 
 
@@ -94,13 +95,14 @@ class MoEUsage:
 
 
 class MoEAccounting:
-    """Reads the model's `MoEStats` after every step; owned by the engine."""
+    """Takes each step's routing counts (`ModelOutput.moe`); owned by the engine."""
 
-    def __init__(self, config: ModelConfig, stats: Any):
+    def __init__(self, config: ModelConfig):
         self.config = config
-        self.stats = stats
         self.static_params = config.static_params_read()
-        num_layers = len(stats.layers)
+        self.layers = [i for i in range(config.num_layers) if config.is_moe_layer(i)]
+        """Decoder layer index of each row of the counts (dense layers have none)."""
+        num_layers = len(self.layers)
         self.totals = torch.zeros(num_layers, config.num_experts, dtype=torch.long)
         """Cumulative (token, expert) pairs per layer and expert; replaced, never changed in
         place, so another thread can read a consistent snapshot."""
@@ -110,12 +112,10 @@ class MoEAccounting:
         """Steps not yet taken by a metrics reader (`popleft` is safe from another thread);
         the oldest are dropped past 4,096."""
 
-    def begin(self, segments: torch.Tensor, num_segments: int) -> None:
-        self.stats.reset(segments, num_segments)
-
-    def end(self, request_ids: list[str], tokens: list[int]) -> MoEStep:
-        """Account the step just run: `request_ids[i]` ran `tokens[i]` tokens as segment i."""
-        counts = self.stats.counts.cpu()
+    def end(self, moe: MoECounts) -> MoEStep:
+        """Account the step just run: `moe.request_ids[i]` ran `moe.tokens[i]` tokens as
+        segment i."""
+        counts, request_ids, tokens = moe.counts, moe.request_ids, moe.tokens
         per_layer = counts.sum(dim=1)
         touched = (per_layer > 0).sum(dim=1).tolist()
         expert_read = sum(touched) * self.config.expert_params()

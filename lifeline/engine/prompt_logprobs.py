@@ -4,16 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from lifeline.engine.request import Request
-from lifeline.engine.sampler import TokenLogprobs
+from lifeline.engine.executor import TokenLogprobs
 
 ROWS_AT_ONCE = 64
 """Rows log-softmaxed together: bounds the copy to 64 rows of the vocabulary (64 MiB for
 Gemma 3's 262,144 tokens) whatever the chunk size."""
-
-
-def wants_prompt_logprobs(req: Request) -> bool:
-    return req.params.prompt_logprobs is not None
 
 
 def gather_prompt_logprobs(logits: torch.Tensor, start: int, prompt_ids: list[int],

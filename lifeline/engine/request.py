@@ -1,4 +1,4 @@
-"""A request's state as the engine sees it: ids, progress, block table and timeline."""
+"""A request's state as the engine sees it: ids, progress and timeline."""
 from __future__ import annotations
 
 import enum
@@ -75,18 +75,13 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache at the first scheduling."""
-    block_ids: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
-    num_registered_blocks: int = 0
-    """Leading blocks already offered to the prefix cache."""
-    window_block_ids: list[int] = field(default_factory=list)
-    """The block table of a hybrid model's sliding-window layers (see `KVCacheManager`)."""
-    num_registered_window_blocks: int = 0
+    """Digests of the request's full blocks (`block_manager.hash_chain`); its block tables
+    are the KV manager's (`KVCacheManager.get_blocks`)."""
     extra_hash_key: bytes = b""
     """Mixed into the first block's hash (the cache salt), so equal ids can differ: requests
     whose keys differ never share a prefix-cache block."""
     timeline: Timeline = field(default_factory=Timeline)
-    generator: Any = None
     logprobs: list[Any] = field(default_factory=list)
     want_prompt_logits: bool = False
     prompt_logits: list[Any] = field(default_factory=list)

@@ -8,8 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
+from lifeline.engine.executor import TokenLogprobs
 from lifeline.engine.sampling_params import SamplingParams
 from lifeline.engine.sampling_plan import SamplingPlan
+
+__all__ = ["Sampler", "SamplerOutput", "SamplingInput", "TokenLogprobs", "make_generator"]
 
 TOP_P_CANDIDATES = 1024
 
@@ -31,20 +34,12 @@ class SamplingInput:
             self.plan = SamplingPlan(self.params)
 
 
-@dataclass(slots=True)
-class TokenLogprobs:
-    token_id: int
-    """The token that was chosen."""
-    logprob: float
-    """Its logprob under the raw logits."""
-    top: list[tuple[int, float]]
-    """The `params.logprobs` most likely (token id, logprob) pairs, most likely first."""
-
-
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SamplerOutput:
     token_ids: list[int]
     logprobs: list[TokenLogprobs | None]
+    from_shortlist: bool = False
+    """Greedy took every token from the `argmax` it was handed (the LM head's proof)."""
 
 
 def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -81,7 +76,7 @@ class Sampler:
             if argmax is not None:
                 known = argmax.tolist()
                 if known and min(known) >= 0:
-                    return SamplerOutput(known, [None] * len(inputs))
+                    return SamplerOutput(known, [None] * len(inputs), from_shortlist=True)
             return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(inputs))
         processed = self._process(logits, inputs)
         random_rows = [i for i, x in enumerate(inputs) if not x.params.greedy]

@@ -25,9 +25,19 @@ class SamplingPlan:
     builds: int = field(init=False, default=0)
     _bias: tuple[tuple, torch.Tensor, torch.Tensor] | None = field(init=False, default=None)
     _forbidden: tuple[tuple, torch.Tensor] | None = field(init=False, default=None)
+    _generator: torch.Generator | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.stop_token_ids = frozenset(self.params.stop_token_ids)
+
+    def generator(self) -> torch.Generator | None:
+        """The private random stream of a seeded request (None unseeded), made on first use
+        and kept for the request's life, preemptions included."""
+        if self.params.seed is not None and self._generator is None:
+            from lifeline.engine.sampler import make_generator
+
+            self._generator = make_generator(self.params.seed)
+        return self._generator
 
     def bias(self, vocab: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids, values in `like`'s dtype) of the logit_bias entries inside the vocabulary."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from lifeline.engine.block_manager import BlockManager, KVCacheManager
+from lifeline.engine.block_manager import BlockManager, KVCacheBlocks, KVCacheManager
 from lifeline.engine.request import FinishReason, Request, RequestStatus
 
 
@@ -35,6 +35,8 @@ class ScheduledRequest:
     """Position of the first token this step computes."""
     samples: bool
     """Whether this step completes every known token, so the next token is sampled."""
+    blocks: KVCacheBlocks
+    """The request's block table in each cache group."""
 
 
 @dataclass(slots=True)
@@ -143,7 +145,8 @@ class Scheduler:
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
-        return ScheduledRequest(req, num_new, start, start + num_new == req.num_tokens)
+        return ScheduledRequest(req, num_new, start, start + num_new == req.num_tokens,
+                                self.kv.get_blocks(req))
 
     def _preempt(self, req: Request, now: float) -> None:
         self.running.remove(req)

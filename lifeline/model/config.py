@@ -117,9 +117,6 @@ class ModelConfig:
         ffn += (3 * h * shared + h) if shared else 0
         return attn + norms + ffn
 
-    def kv_bytes_per_token(self, dtype_bytes: int = 4) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes
-
 
 def gemma3_layer_types(num_layers: int, pattern: int | None = None) -> list[str]:
     """Every `pattern`-th layer global, the others sliding (the Gemma 3 family's

@@ -59,21 +59,21 @@ better, and a block's cost grows with its size (docs/performance.md)."""
 class BF16Linear(nn.Module):
     """y = W x in bfloat16 (oneDNN), the top `RESCORE_TOP` in float32."""
 
-    last_argmax: torch.Tensor | None = None
-    """Each row's argmax of the last call's logits where its shortlist proves it, else -1."""
-
     def __init__(self, linear: nn.Linear, rescore_top: int = RESCORE_TOP):
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
         self.register_buffer("weight_bf16", linear.weight.detach().to(torch.bfloat16))
         self.rescore_top = min(rescore_top, linear.weight.shape[0])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, with_argmax: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits; `with_argmax`: and their shortlist's proof (`shortlist_argmax`)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1]).float()
         y = F.linear(x.to(torch.bfloat16), self.weight_bf16).float()
-        y = rescore(y, x, self.weight, self.bias, self.rescore_top, self)
-        return y.reshape(*shape[:-1], self.weight.shape[0])
+        y, argmax = rescore(y, x, self.weight, self.bias, self.rescore_top, with_argmax)
+        y = y.reshape(*shape[:-1], self.weight.shape[0])
+        return (y, argmax) if with_argmax else y
 
 
 class Int8Linear(nn.Module):
@@ -106,8 +106,6 @@ class Int8Linear(nn.Module):
         self.rescore_top = min(rescore_top, weight.shape[0])
         self.out_features, self.in_features = weight.shape
 
-    last_argmax: torch.Tensor | None = None
-    """Each row's argmax of the last call's logits where its shortlist proves it, else -1."""
     compile_handle: int | None = None
     """Set by `lifeline.model.compiled.compile_forward`: compiled code calls fbgemm's GEMM
     with this layer's packed weights through an operator by this handle (Dynamo cannot trace
@@ -115,15 +113,18 @@ class Int8Linear(nn.Module):
     compile_op = None
     """That operator (`lifeline.model.compiled.int8_linear_op()`), set with the handle."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, with_argmax: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
+        """Logits; `with_argmax`: and their shortlist's proof (`shortlist_argmax`)."""
         shape = x.shape
         x = x.reshape(-1, shape[-1]).float()
         if self.compile_handle is not None and torch.compiler.is_compiling():
             y = self._traced_int8_matmul(x)
         else:
             y = self.int8_matmul(x)
-        y = rescore(y, x, self.weight, self.bias, self.rescore_top, self)
-        return y.reshape(*shape[:-1], self.out_features)
+        y, argmax = rescore(y, x, self.weight, self.bias, self.rescore_top, with_argmax)
+        y = y.reshape(*shape[:-1], self.out_features)
+        return (y, argmax) if with_argmax else y
 
     def int8_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """W x for float32 rows `x` [N, in], biasless and unrescored."""
@@ -225,22 +226,28 @@ def rotation_block(features: int, largest: int = ROTATE_BLOCK) -> int:
     return 0
 
 
+def has_shortlist(head: nn.Module) -> bool:
+    """Whether `head` rescores a shortlist, so `head(x, with_argmax=True)` proves argmaxes."""
+    return isinstance(head, (BF16Linear, Int8Linear)) and head.rescore_top > 0
+
+
 def rescore(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-            top: int, head: nn.Module | None = None) -> torch.Tensor:
+            top: int, with_argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits `y` [B, V] of hidden states `x` [B, H], bias added, with each row's `top` highest
-    recomputed exactly from the float32 `weight` rows. Sets `head.last_argmax` (see
-    `shortlist_argmax`) when `head` is given."""
+    recomputed exactly from the float32 `weight` rows; with `with_argmax`, also each row's
+    argmax where the shortlist proves it (`shortlist_argmax`), else None."""
     if bias is not None:
         y += bias
+    argmax = None
     if top:
         approx, ids = top_logits(y, top)
         exact = torch.bmm(weight[ids], x.unsqueeze(-1)).squeeze(-1)
         if bias is not None:
             exact = exact + bias[ids]
         y.scatter_(1, ids, exact)
-        if head is not None:
-            head.last_argmax = shortlist_argmax(approx, ids, exact, y.shape[1])
-    return y
+        if with_argmax:
+            argmax = shortlist_argmax(approx, ids, exact, y.shape[1])
+    return y, argmax
 
 
 TOP_CHUNK = 128
@@ -251,8 +258,8 @@ def top_logits(y: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """`y.topk(k, dim=-1, sorted=False)` in two passes: each chunk of `TOP_CHUNK` logits'
     maximum, then the top k within the k chunks of highest maxima (every one of the k highest
     logits lies in one of them: a chunk holding one has a maximum at least as high, and at most
-    k chunks can); several times faster than `topk` over a large vocabulary (docs/performance.md).
-    Everything outside the result is still at most its lowest value (`shortlist_argmax`)."""
+    k chunks can; docs/performance.md has what it saves). Everything outside the result is
+    still at most its lowest value (`shortlist_argmax`)."""
     rows, vocab = y.shape
     chunks = vocab // TOP_CHUNK
     if vocab % TOP_CHUNK or chunks < 4 * k or not y.is_contiguous():
@@ -270,7 +277,7 @@ def shortlist_argmax(approx: torch.Tensor, ids: torch.Tensor, exact: torch.Tenso
     shortlist cannot prove it: every logit outside the shortlist is at most the lowest
     approximate value inside it, so an exact maximum above that is the row's maximum (ties go
     to the lowest token id, as `argmax` does). Spares greedy decoding a pass over the
-    vocabulary (16 x 262,144 logits: ~1.2 ms)."""
+    vocabulary (docs/performance.md)."""
     best = exact.amax(-1, keepdim=True)
     token = torch.where(exact == best, ids, vocab).amin(-1)
     return torch.where(best.squeeze(-1) > approx.amin(-1), token, -1)

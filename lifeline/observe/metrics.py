@@ -164,7 +164,7 @@ class _MoEMetrics:
             "(token, expert) pairs per touched expert in one step (mean over layers).", label,
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096), registry=registry,
         ).labels(model_name)
-        read = cfg.static_params_read() + len(moe.stats.layers) * cfg.num_experts_per_tok * (
+        read = cfg.static_params_read() + len(moe.layers) * cfg.num_experts_per_tok * (
             cfg.expert_params())
         self.read = Histogram(
             "lifeline:moe_weights_read_per_token",
@@ -180,7 +180,7 @@ class _MoEMetrics:
         params.labels(model_name, "total").set(cfg.num_params())
         params.labels(model_name, "active").set(cfg.num_active_params())
         self.model_name = model_name
-        self.layers = moe.stats.layers
+        self.layers = moe.layers
         self.seen = None
 
     def update(self, moe: Any) -> None:

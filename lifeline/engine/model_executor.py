@@ -1,0 +1,88 @@
+"""The model executor: a step of real weights in torch (the forward through `ModelRunner`,
+prompt logits and logprobs, sampling), handed back as an immutable `ModelOutput`."""
+from __future__ import annotations
+
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from lifeline.engine.executor import MoECounts, ModelOutput, TokenLogprobs
+from lifeline.engine.kv_layout import KVLayout
+from lifeline.engine.model_runner import ModelRunner, StepInputs
+from lifeline.engine.prompt_logprobs import gather_prompt_logprobs
+from lifeline.engine.sampler import Sampler, SamplerOutput, SamplingInput
+from lifeline.engine.scheduler import SchedulerOutput
+from lifeline.model.weight_format import apply_weight_format
+
+if TYPE_CHECKING:
+    from lifeline.engine.engine import EngineConfig
+    from lifeline.model.loader import LoadedModel
+
+
+class ModelExecutor:
+    """Owns the loaded model from here on: moves it to `config.device`, applies
+    `config.weights` in place, lays its KV pools out as `layout` says and compiles its forward
+    where `config.compile` asks and the family supports it."""
+
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, layout: KVLayout):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        model = loaded.model
+        model.to(config.device)
+        if config.weights != "fp32":
+            apply_weight_format(model, config.weights)
+            loaded.weight_format = f"{loaded.weight_format}->{config.weights}"
+        self.runner = ModelRunner(model, loaded.config, layout, device=config.device)
+        self.compiled = config.compile and self.runner.compile()
+        """Whether the forward runs compiled (config.compile, where the model supports it)."""
+        self.moe_stats = getattr(model, "moe_stats", None)
+        """The routing counts of an MoE model (None for a dense one)."""
+        self.sampler = Sampler(getattr(loaded.tokenizer, "eos_token_ids", ()) or ())
+
+    def execute(self, scheduled: SchedulerOutput) -> ModelOutput:
+        inputs = self.runner.prepare(scheduled)
+        tokens = [s.num_new_tokens for s in inputs.order]
+        if self.moe_stats is not None:
+            # Segment i (the i-th scheduled request) labels its tokens in the flattened step.
+            self.moe_stats.reset(torch.repeat_interleave(torch.arange(len(tokens)),
+                                                         torch.tensor(tokens)), len(tokens))
+        logits, argmax = self.runner.execute(inputs)
+        moe = None
+        if self.moe_stats is not None:
+            moe = MoECounts(self.moe_stats.counts.cpu(),
+                            tuple(s.request.request_id for s in inputs.order), tuple(tokens))
+        prompt_logprobs, prompt_logits = self._prompt_outputs(inputs, logits)
+        sampled = self._sample(inputs, logits, argmax)
+        return ModelOutput(
+            tuple(r.request_id for r in inputs.sampling), tuple(sampled.token_ids),
+            tuple(sampled.logprobs), tuple(sampled.token_ids) if sampled.from_shortlist else None,
+            prompt_logprobs, prompt_logits, moe)
+
+    def _prompt_outputs(self, inputs: StepInputs, logits: torch.Tensor
+                        ) -> tuple[MappingProxyType[str, tuple[tuple[int, TokenLogprobs], ...]],
+                                   MappingProxyType[str, Any]]:
+        """Logprobs of the prompt tokens this step's chunks predict, for the requests that ask
+        for them; the chunks' raw logits for the others recording prompt logits."""
+        logprobs, raw = {}, {}
+        for req, first, count in inputs.prompt_logit_spans:
+            rows = logits[first:first + count]
+            top_n = req.params.prompt_logprobs
+            if top_n is not None:  # the chunk starts at the request's computed tokens
+                logprobs[req.request_id] = tuple(gather_prompt_logprobs(
+                    rows, req.num_computed_tokens, req.prompt_token_ids, top_n))
+            else:
+                raw[req.request_id] = rows.clone()
+        return MappingProxyType(logprobs), MappingProxyType(raw)
+
+    def _sample(self, inputs: StepInputs, logits: torch.Tensor, argmax: torch.Tensor | None
+                ) -> SamplerOutput:
+        # sample_rows rise strictly below len(logits): as many as rows means every row, in order
+        every = len(inputs.sample_rows) == logits.shape[0]
+        rows = logits if every else logits[inputs.sample_rows]  # a decode step: no 16 MB copy
+        if argmax is not None and not every:
+            argmax = argmax[inputs.sample_rows]
+        batch = [SamplingInput(r.params, r.prompt_token_ids, r.output_token_ids,
+                               r.sampling_plan.generator(), r.sampling_plan)
+                 for r in inputs.sampling]
+        return self.sampler(rows, batch, argmax)

@@ -1,0 +1,118 @@
+"""The engine loop behind the executor seam: with torch unimportable, the loop, scheduler, KV
+manager and request types run requests end to end on a stand-in executor; the model executor
+hands back a frozen output, its LM head's shortlist proof included."""
+import dataclasses
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+STAND_IN = textwrap.dedent("""
+    import sys
+    sys.modules["torch"] = None  # any import of torch now raises
+
+    from types import SimpleNamespace
+
+    from lifeline.engine.engine import EngineConfig, LLMEngine
+    from lifeline.engine.executor import ModelOutput
+    from lifeline.engine.sampling_params import SamplingParams
+    from lifeline.model.default import default_model_path
+    from lifeline.model.presets import preset_config
+    from lifeline.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(default_model_path())
+    ANSWER = tokenizer.encode(" Paris is the capital. Next question", add_special_tokens=False)
+
+
+    class StandIn:
+        '''Answers every request with ANSWER, one token a step, whatever its prompt.'''
+        compiled = False
+
+        def __init__(self, layout):
+            self.steps = []
+
+        def execute(self, scheduled):
+            self.steps.append([(s.request.request_id, s.num_new_tokens, len(s.blocks.block_ids))
+                               for s in scheduled.scheduled])
+            sampled = [s.request for s in scheduled.scheduled if s.samples]
+            return ModelOutput(tuple(r.request_id for r in sampled),
+                               tuple(ANSWER[r.num_output_tokens] for r in sampled))
+
+
+    model = SimpleNamespace(config=preset_config("gemma-3-270m"), tokenizer=tokenizer)
+    executors = []
+    engine = LLMEngine(model, EngineConfig(num_kv_blocks=64, max_num_batched_tokens=16),
+                       executor=lambda layout: executors.append(StandIn(layout)) or executors[-1])
+    prompt = "What is the capital of France? " * 4
+    stopped = engine.add_request(prompt, SamplingParams(max_tokens=32, stop=[". Next"]))
+    capped = engine.add_request(prompt, SamplingParams(max_tokens=3))
+    outputs = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs.setdefault(out.request_id, []).append(out)
+    kv = engine.block_manager
+    print(repr({
+        "torch": "torch" in sys.modules and sys.modules["torch"] is not None,
+        "stopped": (outputs[stopped.request_id][-1].text, stopped.finish_reason.value),
+        "capped": (outputs[capped.request_id][-1].text, capped.finish_reason.value),
+        "deltas": "".join(o.new_text for o in outputs[stopped.request_id]),
+        "chunked": max(n for step in executors[0].steps for _, n, _ in step),
+        "groups": {g for step in executors[0].steps for _, _, g in step},
+        "free": kv.num_free_blocks == kv.num_blocks,
+    }))
+""")
+
+
+def test_the_engine_loop_runs_requests_end_to_end_without_torch():
+    result = subprocess.run([sys.executable, "-c", STAND_IN], capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr
+    seen = eval(result.stdout.strip().splitlines()[-1])
+    assert seen["torch"] is False
+    assert seen["stopped"] == (" Paris is the capital", "stop")
+    assert seen["deltas"] == " Paris is the capital"
+    assert seen["capped"] == (" Paris is the", "length")
+    assert seen["chunked"] == 16  # the prompt ran in chunks of the step's token budget
+    assert seen["groups"] == {2}  # Gemma 3: a full and a sliding-window block table
+    assert seen["free"]
+
+
+@pytest.fixture(scope="module")
+def int8_engine():
+    from lifeline.engine.engine import EngineConfig, LLMEngine
+    from lifeline.model.config import ModelConfig
+    from lifeline.model.loader import LoadedModel, build_model, init_dummy_weights
+
+    cfg = ModelConfig(architecture="llama", vocab_size=4096, hidden_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, intermediate_size=128,
+                      max_position=256)
+    model = build_model(cfg)
+    init_dummy_weights(model)
+    loaded = LoadedModel(model.eval(), cfg, None, "tiny", "dummy-f32")
+    return LLMEngine(loaded, EngineConfig(num_kv_blocks=32, block_size=4, weights="int8"))
+
+
+def test_model_output_is_frozen_and_carries_the_heads_proof(int8_engine):
+    from lifeline.engine.sampling_params import SamplingParams
+
+    engine = int8_engine
+    results = []
+    execute = engine.executor.execute
+    engine.executor.execute = lambda scheduled: results.append(execute(scheduled)) or results[-1]
+    try:
+        req = engine.add_request([5, 6, 7, 8, 9], SamplingParams(max_tokens=4, temperature=0,
+                                                                 ignore_eos=True))
+        while engine.has_unfinished_requests():
+            engine.step()
+    finally:
+        del engine.executor.execute
+    assert [r.token_ids for r in results] == [(t,) for t in req.output_token_ids]
+    for r in results:
+        assert r.request_ids == (req.request_id,)
+        if r.shortlist_argmax is not None:  # greedy took the proof: it is the token
+            assert r.shortlist_argmax == r.token_ids
+    assert any(r.shortlist_argmax is not None for r in results)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        results[0].token_ids = (1,)
+    assert not hasattr(engine.loaded.model.lm_head, "last_argmax")
