@@ -183,9 +183,12 @@ def test_client_disconnect_mid_stream_aborts_and_frees_kv_blocks(loaded):
                     if line.startswith("data:"):
                         seen += 1
                     if seen == 3:
+                        # checked before the break: leaving the loop closes the lines generator,
+                        # and with it httpcore's stream and the connection (the disconnect)
+                        assert engine.block_manager.num_free_blocks < total
+                        assert _kv_usage(http.get("/metrics").text) > 0
                         break
-                assert engine.block_manager.num_free_blocks < total
-                assert _kv_usage(http.get("/metrics").text) > 0
+                assert seen == 3
             deadline = time.monotonic() + 15
             while time.monotonic() < deadline:
                 if engine.block_manager.num_free_blocks == total and not engine.requests:

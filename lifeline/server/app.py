@@ -29,7 +29,7 @@ from lifeline.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from lifeline.server.state import LoadedOrLoader, ServerState, thaw_heap
+from lifeline.server.state import LoadedOrLoader, ServerState, short_gil_turns, thaw_heap
 
 JSON_PIECE = 8192
 """Token ids serialized by one `json.dumps` call in a `/tokenize` answer."""
@@ -54,7 +54,8 @@ def create_app(loaded_model: LoadedOrLoader, config: ServerConfig | None = None)
             state.admission.loading = True
             loader = asyncio.create_task(_load(state, client))
         try:
-            yield
+            with short_gil_turns():
+                yield
         finally:
             if loader is not None:
                 loader.cancel()

@@ -1,11 +1,13 @@
 """Everything a request handler needs, built once per server by `create_app`."""
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
+import sys
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,6 +57,24 @@ def freeze_startup_heap() -> None:
 def thaw_heap() -> None:
     """Let the collector see the frozen objects again (a stopped server's cycles can go)."""
     gc.unfreeze()
+
+
+SWITCH_INTERVAL_S = 0.001
+"""How long a thread holding the GIL runs before it must hand it to one waiting (Python's
+default is 5 ms). The event loop gives up the GIL at every wait for the network and needs it back
+several times to answer one request; while the preparing thread tokenizes or parses in Python,
+each of those waits costs up to a full interval (docs/reliability.md has the measurement)."""
+
+
+@contextlib.contextmanager
+def short_gil_turns() -> Iterator[None]:
+    """The server's switch interval for as long as it runs; the process's own after."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 @dataclass(slots=True, eq=False)
