@@ -168,10 +168,9 @@ HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
 def exec_with_huge_pages() -> None:
     """Start this command again with glibc's malloc marking its large allocations for
     transparent huge pages (`GLIBC_TUNABLES=glibc.malloc.hugetlb=1`, glibc 2.35+), where the
-    kernel gives them only on request (`madvise`, the usual default). A decode step streams
-    ~270 MB of int8 weights; in 4 KiB pages that is ~66,000 TLB entries a step. Measured on
-    this machine (docs/performance.md): one request's step ~11.1 -> ~10.5 ms, 16 requests'
-    ~28.3 -> ~27.2 ms. Returns (does nothing) where it does not apply."""
+    kernel gives them only on request (`madvise`, the usual default). A decode step streams all
+    the weights, and in 4 KiB pages that is one TLB entry per 4 KiB of them; docs/performance.md
+    has what huge pages save a step. Returns (does nothing) where it does not apply."""
     import os
 
     tunables = os.environ.get("GLIBC_TUNABLES", "")

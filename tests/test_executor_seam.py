@@ -116,3 +116,36 @@ def test_model_output_is_frozen_and_carries_the_heads_proof(int8_engine):
     with pytest.raises(dataclasses.FrozenInstanceError):
         results[0].token_ids = (1,)
     assert not hasattr(engine.loaded.model.lm_head, "last_argmax")
+
+
+
+def test_a_family_whose_logits_are_not_its_head_alone_gets_its_own_compute_logits(int8_engine):
+    """The runner takes the head's argmax with its logits only where the family declares its
+    logits are the head's alone (`plain_head`); a family that transforms them (here: negates,
+    so greedy wants the head's argmin) gets its own `compute_logits`, on the same int8 head."""
+    import torch
+
+    from lifeline.engine.model_runner import ModelRunner
+    from lifeline.model import registry
+
+    runner = int8_engine.executor.runner
+    model = runner.model
+    hidden = torch.randn(3, int8_engine.loaded.config.hidden_size)
+    logits, argmax = runner._logits(hidden)
+    assert argmax is not None, "a plain head with a shortlist gives the proof"
+    assert torch.equal(argmax, logits.argmax(-1))
+
+    negated = dataclasses.replace(registry.family("llama"), name="negated-llama",
+                                  architectures=("negated-llama",), plain_head=False)
+    registry.register(negated)
+    original = type(model).compute_logits
+    try:
+        type(model).compute_logits = lambda self, h: -self.lm_head(h)
+        cfg = dataclasses.replace(int8_engine.loaded.config, architecture="negated-llama")
+        other = ModelRunner(model, cfg, int8_engine.kv_layout)
+        logits, argmax = other._logits(hidden)
+        assert argmax is None
+        assert torch.equal(logits, -model.lm_head(hidden))
+    finally:
+        type(model).compute_logits = original
+        registry._BY_ARCHITECTURE.pop("negated-llama", None)

@@ -9,6 +9,7 @@ from torch import nn
 from lifeline.engine.kv_layout import KVLayout
 from lifeline.engine.request import Request
 from lifeline.engine.scheduler import ScheduledRequest, SchedulerOutput
+from lifeline.model import registry
 from lifeline.model.config import ModelConfig
 from lifeline.model.context import forward_context
 from lifeline.model.layers.attention import AttentionMetadata, PrefillSeq
@@ -42,6 +43,9 @@ class ModelRunner:
         self.forward = model
         """`model`, or its compiled forward (`compile`)."""
         self.config = config
+        family = registry.find(config.architecture)
+        self.plain_head = family is not None and family.plain_head
+        """The family's logits are its head's alone, so the head's argmax may come with them."""
         self.block_size = block_size = layout.block_size
         self.device = torch.device(device)
         if len(layout.groups) > 2:
@@ -182,6 +186,6 @@ class ModelRunner:
 
     def _logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         head = self.model.lm_head
-        if has_shortlist(head):  # every family's compute_logits is its head alone
+        if self.plain_head and has_shortlist(head):
             return head(hidden, with_argmax=True)
         return self.model.compute_logits(hidden), None

@@ -1,6 +1,7 @@
 """The model families Lifeline runs, each declaring its contract in one place: the names
 checkpoints give it, the config fields its model reads, the projections a weight format may
-fuse, whether its forward compiles, its norm offset and which of its layers slide.
+fuse, whether its forward compiles, its norm offset, which of its layers slide and whether its
+logits are its head's output alone.
 
 Adding a family is its own file (the model) and one `register` entry here. The model class is
 named, not imported: configs, presets and the planner read the registry without torch.
@@ -54,6 +55,9 @@ class ModelFamily:
     """The module a GGUF file's `blk.N.ffn_norm` is."""
     routed_experts: bool = False
     """Sparse MoE blocks: the config carries the MoE fields."""
+    plain_head: bool = True
+    """Its `compute_logits` is `lm_head` alone (no soft-capping or scaling after it), so a
+    weight format's head may return its argmax with the logits (the greedy shortlist)."""
 
     def __post_init__(self) -> None:
         if ":" not in self.model_class or not self.architectures:
