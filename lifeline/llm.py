@@ -9,7 +9,7 @@ from typing import Any
 from lifeline.engine.engine import EngineConfig, LLMEngine
 from lifeline.engine.parallel_sampling import child_params
 from lifeline.engine.request import Request, Timeline
-from lifeline.engine.sampler import TokenLogprobs
+from lifeline.engine.executor import TokenLogprobs
 from lifeline.engine.sampling_params import SamplingParams
 from lifeline.model.loader import LoadedModel, load_model
 

@@ -78,6 +78,21 @@ def test_the_engine_loop_runs_requests_end_to_end_without_torch():
     assert seen["free"]
 
 
+HTTP_SIDE = ("lifeline.server.engine_client", "lifeline.server.generation",
+             "lifeline.server.responses", "lifeline.server.streams", "lifeline.server.state",
+             "lifeline.server.protocol", "lifeline.server.gateway")
+
+
+def test_the_http_side_of_the_engine_client_imports_without_torch():
+    """What the handlers use to talk to an engine (the client protocol, generations, streams,
+    the server's state) needs no torch: an engine client in another process or behind HTTP
+    can serve them."""
+    code = ("import sys\nsys.modules['torch'] = None\n"
+            + "".join(f"import {m}\n" for m in HTTP_SIDE) + "print('ok')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-2000:]
+
 @pytest.fixture(scope="module")
 def int8_engine():
     from lifeline.engine.engine import EngineConfig, LLMEngine

@@ -39,3 +39,12 @@ def test_sample_i_of_each_prompt_is_the_request_seeded_with_seed_plus_i(llm):
     assert [s.prompt for s in samples] == [PROMPT, PROMPT, prompts[1], prompts[1]]
     assert samples[0].token_ids != samples[1].token_ids, "the samples differ"
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_an_engine_request_with_n_above_one_is_refused_not_run_once(llm):
+    from lifeline.engine.validation import InvalidRequest
+
+    with pytest.raises(InvalidRequest) as err:
+        llm.engine.add_request([5, 6, 7], SamplingParams(n=4, max_tokens=2))
+    assert err.value.param == "n"
+    assert not llm.engine.has_unfinished_requests()

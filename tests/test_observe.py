@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from lifeline.engine.request import Timeline
+from lifeline.observe.stats import EngineStats
 from lifeline.observe import (
     STAGES,
     AccessLog,
@@ -243,35 +244,30 @@ def test_histograms_and_counters_move_when_a_request_is_observed():
 
 
 def fake_engine(queries: int, hits: int, preemptions: int, running=2, waiting=3, usage=0.25):
+    """What `EngineStats.of` reads of an engine, as the stats it makes."""
     scheduler = SimpleNamespace(running=[object()] * running, waiting=[object()] * waiting,
                                 num_preemptions=preemptions)
     blocks = SimpleNamespace(usage=usage, stats=SimpleNamespace(queries=queries, hits=hits))
-    return SimpleNamespace(scheduler=scheduler, block_manager=blocks)
+    return EngineStats.of(SimpleNamespace(scheduler=scheduler, block_manager=blocks))
 
 
 def test_engine_counters_follow_cumulative_totals_and_never_go_down():
     metrics = Metrics("m")
-    metrics.update_engine(fake_engine(100, 40, 1))
-    metrics.update_engine(fake_engine(100, 40, 1))
+    metrics.update_stats(fake_engine(100, 40, 1))
+    metrics.update_stats(fake_engine(100, 40, 1))
     assert sample(metrics, "lifeline:prefix_cache_queries_total") == 100
     assert sample(metrics, "lifeline:prefix_cache_hits_total") == 40
     assert sample(metrics, "lifeline:num_preemptions_total") == 1
-    metrics.update_engine(fake_engine(250, 90, 3, running=5, waiting=0, usage=0.5))
+    metrics.update_stats(fake_engine(250, 90, 3, running=5, waiting=0, usage=0.5))
     assert sample(metrics, "lifeline:prefix_cache_queries_total") == 250
     assert sample(metrics, "lifeline:num_preemptions_total") == 3
     assert sample(metrics, "lifeline:num_requests_running") == 5
     assert sample(metrics, "lifeline:num_requests_waiting") == 0
     assert sample(metrics, "lifeline:kv_cache_usage_perc") == 0.5
-    metrics.update_engine(fake_engine(10, 5, 0))  # a fresh engine starts from zero
+    metrics.update_stats(fake_engine(10, 5, 0))  # a fresh engine starts from zero
     assert sample(metrics, "lifeline:prefix_cache_queries_total") == 260
     assert sample(metrics, "lifeline:prefix_cache_hits_total") == 95
     assert sample(metrics, "lifeline:num_preemptions_total") == 3
-
-
-def test_update_engine_unwraps_the_async_engine():
-    metrics = Metrics("m")
-    metrics.update_engine(SimpleNamespace(engine=fake_engine(7, 3, 0)))
-    assert sample(metrics, "lifeline:prefix_cache_queries_total") == 7
 
 
 def test_otel_spans_tile_the_request_in_stage_order():

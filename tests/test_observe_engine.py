@@ -10,6 +10,7 @@ from lifeline.engine.sampling_params import SamplingParams
 from lifeline.model.config import ModelConfig
 from lifeline.model.loader import LoadedModel, build_model, init_dummy_weights
 from lifeline.observe import STAGES, Metrics, RequestRecord, ServerStamps
+from lifeline.observe.stats import EngineStats
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +72,8 @@ def test_counters_equal_the_engine_totals(loaded):
     records += serve(engine, [shared + [40]], SamplingParams(max_tokens=3))
     for rec in records:
         metrics.observe(rec)
-    metrics.update_engine(engine)
-    metrics.update_engine(engine)
+    metrics.update_stats(EngineStats.of(engine))
+    metrics.update_stats(EngineStats.of(engine))
     stats = engine.block_manager.stats
     assert stats.hits > 0
 

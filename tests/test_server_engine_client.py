@@ -146,6 +146,46 @@ def test_a_request_the_engine_ended_without_an_answer_raises_its_api_error(clien
     with pytest.raises(APIError) as failure:
         asyncio.run(scenario())
     assert failure.value.status == 503 and failure.value.code == "request_timeout"
+    timeline = failure.value.timeline  # the engine's last word, for the request's record
+    assert timeline is not None and timeline.arrival == 0.0
+
+
+def test_an_add_still_queued_when_the_engine_loop_dies_is_refused_not_left_waiting(client):
+    """The loop dies in a step while a second request's add waits in its command queue: that
+    request gets `EngineDeadError` at once (the engine's deadline cannot end it: the engine is
+    gone)."""
+    from lifeline.server.engine_client import EngineDeadError
+
+    in_step, queued = threading.Event(), threading.Event()
+
+    def dying_step():
+        in_step.set()
+        queued.wait(10)
+        time.sleep(0.05)  # the second add is in the queue behind the step
+        raise SystemExit("the loop itself dies")
+
+    client.engine.step = dying_step
+
+    async def scenario():
+        async def first():
+            async for _ in client.generate([1], SamplingParams(), "a", arrival=0.0):
+                pass
+
+        async def second():
+            while not in_step.is_set():
+                await asyncio.sleep(0.005)
+            stream = client.generate([1], SamplingParams(), "b", arrival=0.0)
+            pending = asyncio.ensure_future(anext(stream))
+            await asyncio.sleep(0.01)  # the add is queued now
+            queued.set()
+            return await asyncio.wait_for(pending, timeout=10)
+
+        results = await asyncio.gather(first(), second(), return_exceptions=True)
+        return results
+
+    results = asyncio.run(scenario())
+    assert all(isinstance(r, EngineDeadError) for r in results), results
+    assert client.dead_error is not None
 
 
 def _imports(path: Path) -> set[str]:

@@ -138,11 +138,8 @@ class LLMEngine:
             self.block_manager)
         self.executor: Executor = (executor or self._model_executor)(layout)
         self.moe: MoEAccounting | None = None
-        """Routing accounting of an MoE model (None for a dense one)."""
-        if mcfg.num_experts:  # its accounting is torch's
-            from lifeline.engine import moe_usage
-
-            self.moe = moe_usage.MoEAccounting(mcfg)
+        """Routing accounting of an MoE model, from the first step whose executor reported
+        routing counts (None for a dense model, or an executor that reports none)."""
         self.eos_token_ids = frozenset(getattr(self.tokenizer, "eos_token_ids", ()) or ())
         self.requests: dict[str, Request] = {}
         self._outputs: dict[str, _OutputState] = {}
@@ -284,7 +281,10 @@ class LLMEngine:
             result, started, done = self._execute(out)
         except Exception as exc:  # noqa: BLE001 - one request fails, not the engine
             return ended + self._fail_step(out, exc, isolate=len(out.scheduled) > 1)
-        try:
+        try:  # after sampling: a retry would draw seeded requests' tokens again
+            if result.moe is not None:
+                self._moe_accounting().end(result.moe)
+            self._record_prompt_outputs(result)
             self._record_prefill(out, started, done)
             requests = [self.requests[rid] for rid in result.request_ids]
             finished = self.scheduler.update(out, {id(r): t for r, t in zip(requests,
@@ -298,10 +298,14 @@ class LLMEngine:
             raise InjectedFault("fault injected by a request (X-Lifeline-Fault: step)")
         started = self.clock()
         result = self.executor.execute(out)
-        if result.moe is not None and self.moe is not None:
-            self.moe.end(result.moe)
-        self._record_prompt_outputs(result)
         return result, started, self.clock()
+
+    def _moe_accounting(self) -> MoEAccounting:
+        if self.moe is None:  # its counts are torch's, as the executor that made them
+            from lifeline.engine import moe_usage
+
+            self.moe = moe_usage.MoEAccounting(self.loaded.config)
+        return self.moe
 
     def _record_prompt_outputs(self, result: ModelOutput) -> None:
         for rid, chunk in result.prompt_logits.items():

@@ -3,7 +3,8 @@
 The engine loop (`LLMEngine.step`) is `schedule(now) -> executor.execute(scheduler_output) ->
 scheduler.update -> output processing`, as vLLM V1's `EngineCore.step`. The model executor
 (`lifeline.engine.model_executor.ModelExecutor`: torch, real weights) is one `Executor`; any
-object with `execute` is another, such as a simulated executor that advances a virtual clock.
+object with `execute` and `compiled` is another, such as a simulated executor that advances a
+virtual clock.
 Nothing here imports torch: the loop, scheduler, KV manager and request types run without it.
 """
 from __future__ import annotations

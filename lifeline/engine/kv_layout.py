@@ -43,9 +43,6 @@ class KVLayout:
     def total_bytes(self) -> int:
         return sum(g.num_blocks * g.bytes_per_block for g in self.groups)
 
-    def group(self, name: str) -> KVGroup | None:
-        return next((g for g in self.groups if g.name == name), None)
-
     def group_index(self, layer_type: str) -> int:
         """The group holding a layer of `layer_type` ('full', 'sliding'): its own where the
         layout has one, else the only group."""

@@ -2,7 +2,8 @@
 
 The model's `MoEStats` counts (token, expert) pairs per MoE layer, split by scheduled request;
 the model executor hands them over in each step's `ModelOutput.moe`, and the engine turns them
-into a `MoEStep` (what that step read) and adds each request's slice to its `MoEUsage`. Definitions (docs/architecture.md, "MoE accounting"):
+into a `MoEStep` (what that step read) and adds each request's slice to its `MoEUsage`.
+Definitions (docs/architecture.md, "MoE accounting"):
 
 - experts touched: distinct experts that ran in a layer (for a step: for any of its tokens;
   for a request: for any of its tokens over its whole life).

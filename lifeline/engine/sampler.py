@@ -12,7 +12,7 @@ from lifeline.engine.executor import TokenLogprobs
 from lifeline.engine.sampling_params import SamplingParams
 from lifeline.engine.sampling_plan import SamplingPlan
 
-__all__ = ["Sampler", "SamplerOutput", "SamplingInput", "TokenLogprobs", "make_generator"]
+__all__ = ["Sampler", "SamplerOutput", "SamplingInput", "make_generator"]
 
 TOP_P_CANDIDATES = 1024
 

@@ -32,7 +32,12 @@ class ModelLimits:
 
 def check_request(prompt_ids: Sequence[int], params: SamplingParams, limits: ModelLimits,
                   param: str = "prompt") -> None:
-    """Everything a request's prompt and sampling parameters must satisfy to be admitted."""
+    """Everything an engine request's prompt and sampling parameters must satisfy to be
+    admitted. An engine request is one sample: `n` > 1 is split into choices before it gets
+    here (`lifeline.engine.parallel_sampling`, by `LLM.generate` and the server)."""
+    if params.n != 1:
+        raise InvalidRequest(f"an engine request is one sample, got n={params.n}: "
+                             "LLM.generate or the server run n > 1 as n requests", "n")
     check_prompt(prompt_ids, limits, param)
     check_token_params(params, limits)
 
@@ -41,16 +46,20 @@ def check_prompt(prompt_ids: Sequence[int], limits: ModelLimits, param: str = "p
     """`param` names the request field that holds the prompt ('prompt', 'messages')."""
     if not prompt_ids:
         raise InvalidRequest("the prompt is empty", "prompt")
-    vocab = limits.vocab_size
-    if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-        bad = next(t for t in prompt_ids if not 0 <= t < vocab)
-        raise InvalidRequest(f"token id {short_id(bad)} is outside the vocabulary (size "
-                             f"{vocab})", param)
+    check_token_ids(prompt_ids, limits.vocab_size, param)
     n, limit = len(prompt_ids), limits.max_model_len
     if n >= limit:
         raise InvalidRequest(f"the prompt has {n} tokens; this model's context is {limit} "
                              "tokens and needs room for at least one more", param,
                              CONTEXT_LENGTH_EXCEEDED)
+
+
+def check_token_ids(token_ids: Sequence[int], vocab: int, param: str) -> None:
+    """Every id of `token_ids` is in the vocabulary (`param` names the field that holds them)."""
+    if token_ids and (min(token_ids) < 0 or max(token_ids) >= vocab):
+        bad = next(t for t in token_ids if not 0 <= t < vocab)
+        raise InvalidRequest(f"token id {short_id(bad)} is outside the vocabulary (size "
+                             f"{vocab})", param)
 
 
 def check_token_params(params: SamplingParams, limits: ModelLimits) -> None:

@@ -100,11 +100,6 @@ class Metrics:
         reason = record.finish_reason or "abort"
         self._success.labels(self._model_name, reason).inc()
 
-    def update_engine(self, engine: Any) -> None:
-        """`update_stats` from an `LLMEngine` in this process, or anything with one at
-        `.engine`."""
-        self.update_stats(EngineStats.of(getattr(engine, "engine", engine)))
-
     def update_stats(self, stats: EngineStats) -> None:
         """Set the engine's gauges and move the counters to its cumulative counts."""
         self.running.set(stats.num_running)

@@ -15,12 +15,12 @@ from pydantic import BaseModel
 from starlette.concurrency import run_in_threadpool
 
 from lifeline.engine.engine import LLMEngine
-from lifeline.engine.validation import short_id
+from lifeline.engine.validation import InvalidRequest, check_token_ids
 from lifeline.model.loader import LoadedModel
 from lifeline.server.async_engine import AsyncEngine
 from lifeline.server.config import ServerConfig
 from lifeline.server.engine_client import EngineClient
-from lifeline.server.errors import APIError, bad_request, install_handlers
+from lifeline.server.errors import APIError, bad_request, install_handlers, refused
 from lifeline.server.middleware import GatewayMiddleware
 from lifeline.server.openai_api import is_small, off_loop, parse_body, router
 from lifeline.server.protocol import (
@@ -29,10 +29,14 @@ from lifeline.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
-from lifeline.server.state import LoadedOrLoader, ServerState, short_gil_turns, thaw_heap
+from lifeline.server.state import ServerState, short_gil_turns, thaw_heap
 
 JSON_PIECE = 8192
 """Token ids serialized by one `json.dumps` call in a `/tokenize` answer."""
+
+
+LoadedOrLoader = LoadedModel | Callable[[], LoadedModel]
+"""A loaded model, or how to load it (in the background, while the server answers)."""
 
 
 def create_app(loaded_model: LoadedOrLoader, config: ServerConfig | None = None) -> FastAPI:
@@ -203,11 +207,10 @@ def _tokens_json(out: dict[str, Any]) -> bytes:
 
 
 def _detokenize(state: ServerState, tokens: list[int]) -> str:
-    vocab = state.model.vocab_size
-    if tokens and (min(tokens) < 0 or max(tokens) >= vocab):
-        bad = next(t for t in tokens if not 0 <= t < vocab)
-        raise bad_request(f"token id {short_id(bad)} is outside the vocabulary (size {vocab})",
-                          "tokens")
+    try:
+        check_token_ids(tokens, state.model.vocab_size, "tokens")
+    except InvalidRequest as exc:
+        raise refused(exc) from None
     return state.client.detokenize(tokens)
 
 

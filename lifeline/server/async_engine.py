@@ -78,6 +78,8 @@ class _Sink:
 class _Failed:
     """Delivered instead of the output of a request the engine ended without an answer."""
     error: RequestError
+    timeline: Timeline
+    """A copy of the request's timeline as the engine ended it."""
 
 
 class AsyncEngine(EngineClient):
@@ -147,6 +149,8 @@ class AsyncEngine(EngineClient):
         accepted = loop.create_future()
         self._commands.put(_Add(prompt_ids, params, request_id, arrival, sink, loop, accepted,
                                 cache_salt, deadline, fault))
+        if self.error is not None:  # the loop died before it could take the add, or drained it
+            raise EngineDeadError(f"the engine stopped: {self.error!r}")
         try:
             await accepted
         except asyncio.CancelledError:
@@ -160,7 +164,9 @@ class AsyncEngine(EngineClient):
                     raise EngineDeadError(f"the engine stopped: {out!r}")
                 if isinstance(out, _Failed):
                     finished = True
-                    raise request_failed(out.error)
+                    error = request_failed(out.error)
+                    error.timeline = out.timeline
+                    raise error
                 finished = out.finished
                 yield out
                 if finished:
@@ -187,10 +193,23 @@ class AsyncEngine(EngineClient):
                 if self.engine.has_unfinished_requests():
                     self._step()
         except BaseException as exc:  # noqa: BLE001 - handed to every waiting request
-            self.error = exc
+            self.error = exc  # set before the queue is drained: `generate` checks it after
             log.critical("the engine loop stopped", exc_info=exc)
             for target in self._sinks.values():
                 _call(target.loop, target.queue.put_nowait, exc)
+            self._refuse_queued(exc)
+
+    def _refuse_queued(self, exc: BaseException) -> None:
+        """Settle every add still queued with the engine's death, so no caller waits on an
+        engine that will never take it."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(cmd, _Add):
+                _call(cmd.loop, _settle, cmd.accepted,
+                      EngineDeadError(f"the engine stopped: {exc!r}"))
 
     def _drain_commands(self, block: bool) -> None:
         while True:
@@ -230,8 +249,10 @@ class AsyncEngine(EngineClient):
             if out.finished:
                 self._sinks.pop(out.request_id, None)
             if target is not None:
-                item = _Failed(out.error) if out.error is not None else _snapshot(
-                    out, target.fresh)
+                if out.error is not None:
+                    item: Any = _Failed(out.error, _copy(out.request.timeline))
+                else:
+                    item = _snapshot(out, target.fresh)
                 target.fresh = False
                 deliveries.setdefault(target.loop, []).append((out.request_id, target.queue,
                                                                item))

@@ -14,7 +14,7 @@ from lifeline.observe.stats import EngineStats
 
 if TYPE_CHECKING:
     from lifeline.engine.request import Timeline
-    from lifeline.engine.sampler import TokenLogprobs
+    from lifeline.engine.executor import TokenLogprobs
     from lifeline.engine.sampling_params import SamplingParams
 
 __all__ = ["EngineClient", "EngineDeadError", "EngineStats", "GenerationOutput", "ModelInfo"]

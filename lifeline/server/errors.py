@@ -31,6 +31,9 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.retry_after = retry_after
+        self.timeline = None
+        """Where an engine ended the request with this error: a copy of its timeline (the
+        request's record reads it)."""
 
     def response(self) -> JSONResponse:
         return error_response(self.status, self.message, self.param, self.code, self.retry_after)

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from lifeline.engine.request import Timeline
-from lifeline.engine.sampler import TokenLogprobs
+from lifeline.engine.executor import TokenLogprobs
 from lifeline.engine.sampling_params import SamplingParams
 from lifeline.server.engine_client import EngineClient, GenerationOutput
 from lifeline.server.gateway import Admission
@@ -182,6 +182,9 @@ class Generation:
                 self._queue.put_nowait(Cancelled(f"{choice.request_id} was cancelled"))
             raise
         except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+            timeline = getattr(exc, "timeline", None)
+            if timeline is not None:  # the engine's last word on the request, for its record
+                choice.snapshot = timeline
             self._queue.put_nowait(exc)
             self._release_followers(choice)  # they fail or finish on their own
         finally:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from lifeline.engine.sampler import TokenLogprobs
+from lifeline.engine.executor import TokenLogprobs
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int,

@@ -13,9 +13,9 @@ import uvicorn
 from fastapi import FastAPI
 
 from lifeline.observe import AccessLog
-from lifeline.server.app import create_app
+from lifeline.server.app import LoadedOrLoader, create_app
 from lifeline.server.config import ServerConfig
-from lifeline.server.state import LoadedOrLoader, ServerState
+from lifeline.server.state import ServerState
 
 log = logging.getLogger("lifeline.server")
 

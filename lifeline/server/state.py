@@ -5,15 +5,15 @@ import contextlib
 import gc
 import logging
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lifeline.engine.request import Timeline
-from lifeline.model.loader import LoadedModel
 from lifeline.observe import AccessLog, Metrics, RequestRecord, ServerStamps, Tracer
 from lifeline.server.config import ServerConfig
 from lifeline.server.engine_client import EngineClient, ModelInfo
@@ -21,7 +21,8 @@ from lifeline.server.errors import APIError
 from lifeline.server.gateway import Admission, Authenticator, RateLimiter
 from lifeline.server.responses import TokenText
 
-LoadedOrLoader = LoadedModel | Callable[[], LoadedModel]
+if TYPE_CHECKING:
+    from lifeline.model.loader import LoadedModel
 log = logging.getLogger("lifeline.server")
 
 
@@ -66,15 +67,28 @@ several times to answer one request; while the preparing thread tokenizes or par
 each of those waits costs up to a full interval (docs/reliability.md has the measurement)."""
 
 
+_servers_running = 0
+_interval_before = 0.0
+_interval_lock = threading.Lock()
+
+
 @contextlib.contextmanager
 def short_gil_turns() -> Iterator[None]:
-    """The server's switch interval for as long as it runs; the process's own after."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
+    """The server's switch interval for as long as any server of this process runs; the
+    process's own once the last one stops (servers may stop in any order)."""
+    global _servers_running, _interval_before
+    with _interval_lock:
+        if _servers_running == 0:
+            _interval_before = sys.getswitchinterval()
+            sys.setswitchinterval(SWITCH_INTERVAL_S)
+        _servers_running += 1
     try:
         yield
     finally:
-        sys.setswitchinterval(before)
+        with _interval_lock:
+            _servers_running -= 1
+            if _servers_running == 0:
+                sys.setswitchinterval(_interval_before)
 
 
 @dataclass(slots=True, eq=False)

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
-from lifeline.engine.sampler import TokenLogprobs
+from lifeline.engine.executor import TokenLogprobs
 from lifeline.server.chat_frontend import Delta
 from lifeline.server.engine_client import GenerationOutput
 from lifeline.server.generation import Cancelled, Choice

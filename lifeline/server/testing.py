@@ -9,10 +9,10 @@ from typing import Any, Self
 
 import uvicorn
 
-from lifeline.server.app import create_app
+from lifeline.server.app import LoadedOrLoader, create_app
 from lifeline.server.config import ServerConfig
 from lifeline.server.run import DrainingServer
-from lifeline.server.state import LoadedOrLoader, ServerState
+from lifeline.server.state import ServerState
 
 
 def free_port() -> int:
