@@ -161,7 +161,11 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.client is not None and self.alive and not self.admission.draining
+        """Serving: the engine attached, alive, and the load finished (`attach` publishes the
+        client before it freezes the start-up heap, which can take seconds on a busy machine;
+        requests get 503 `loading` until then, so `/ready` must too)."""
+        return (self.client is not None and self.alive and not self.admission.loading
+                and not self.admission.draining)
 
     @property
     def alive(self) -> bool:
