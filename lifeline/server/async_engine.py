@@ -39,8 +39,19 @@ from lifeline.server.errors import APIError
 log = logging.getLogger("lifeline.engine")
 
 
-def request_failed(error: RequestError) -> APIError:
-    """The OpenAI-format error of a request the engine ended without an answer."""
+def _dead(cause: BaseException) -> EngineDeadError:
+    return EngineDeadError(f"the engine stopped: {cause!r}")
+
+
+def request_failed(error: RequestError, timeline: Timeline | None = None) -> APIError:
+    """The OpenAI-format error of a request the engine ended without an answer, carrying the
+    engine's copy of its `timeline` (for the request's record)."""
+    api_error = _request_error(error)
+    api_error.timeline = timeline
+    return api_error
+
+
+def _request_error(error: RequestError) -> APIError:
     if error is RequestError.TIMEOUT:
         return APIError(503, "the request waited longer than the server's request timeout "
                         "without producing a token; the server is overloaded, retry later",
@@ -143,14 +154,14 @@ class AsyncEngine(EngineClient):
                        deadline: float | None = None, fault: str | None = None
                        ) -> AsyncIterator[GenerationOutput]:
         if self.error is not None:
-            raise EngineDeadError(f"the engine stopped: {self.error!r}")
+            raise _dead(self.error)
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         accepted = loop.create_future()
         self._commands.put(_Add(prompt_ids, params, request_id, arrival, sink, loop, accepted,
                                 cache_salt, deadline, fault))
         if self.error is not None:  # the loop died before it could take the add, or drained it
-            raise EngineDeadError(f"the engine stopped: {self.error!r}")
+            raise _dead(self.error)
         try:
             await accepted
         except asyncio.CancelledError:
@@ -161,12 +172,10 @@ class AsyncEngine(EngineClient):
             while True:
                 out = await sink.get()
                 if isinstance(out, BaseException):
-                    raise EngineDeadError(f"the engine stopped: {out!r}")
+                    raise _dead(out)
                 if isinstance(out, _Failed):
                     finished = True
-                    error = request_failed(out.error)
-                    error.timeline = out.timeline
-                    raise error
+                    raise request_failed(out.error, out.timeline)
                 finished = out.finished
                 yield out
                 if finished:
@@ -208,8 +217,7 @@ class AsyncEngine(EngineClient):
             except queue.Empty:
                 return
             if isinstance(cmd, _Add):
-                _call(cmd.loop, _settle, cmd.accepted,
-                      EngineDeadError(f"the engine stopped: {exc!r}"))
+                _call(cmd.loop, _settle, cmd.accepted, _dead(exc))
 
     def _drain_commands(self, block: bool) -> None:
         while True:
