@@ -142,10 +142,15 @@ class UpstreamBackend(Backend):
                                   pool=spec.connect_timeout_s),
             limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
             trust_env=False)
+        self.health_http = httpx.AsyncClient(
+            timeout=httpx.Timeout(spec.read_timeout_s, connect=spec.connect_timeout_s),
+            limits=httpx.Limits(max_connections=1), trust_env=False)
+        """Its own connection: a backend whose every request slot is busy still answers."""
         self.base = spec.base_url.rstrip("/")
 
     async def start(self, stack: contextlib.AsyncExitStack) -> None:
         stack.push_async_callback(self.http.aclose)
+        stack.push_async_callback(self.health_http.aclose)
 
     async def open(self, path: str, body: bytes, headers: dict[str, str],
                    marks: dict[str, float]) -> Exchange:
@@ -159,19 +164,26 @@ class UpstreamBackend(Backend):
             elif event == "connection.connect_tcp.complete":
                 marks["connected"] = time.perf_counter()
 
-        request = self.http.build_request("POST", self.base + path.removeprefix("/v1"),
-                                          content=body, headers=headers,
-                                          extensions={"trace": trace})
-        try:
-            response = await self.http.send(request, stream=True)
-        except httpx.HTTPError as exc:
-            raise transport_error(exc) from None
+        url = self.base + path.removeprefix("/v1")
+        for fresh in (False, True):
+            request = self.http.build_request("POST", url, content=body, headers=headers,
+                                              extensions={"trace": trace})
+            try:
+                response = await self.http.send(request, stream=True)
+                break
+            except httpx.RemoteProtocolError as exc:
+                if fresh or "connecting" in marks:
+                    raise transport_error(exc) from None
+                # A kept-alive connection the server had dropped without a word (llama-server
+                # does): once more, on a new connection. It sent no byte, so no answer is lost.
+            except httpx.HTTPError as exc:
+                raise transport_error(exc) from None
         marks["headers"] = time.perf_counter()
         return _HttpxExchange(response)
 
     async def probe_health(self) -> str | None:
         try:
-            response = await self.http.get(self.spec.root_url + self.spec.health_path)
+            response = await self.health_http.get(self.spec.root_url + self.spec.health_path)
         except httpx.HTTPError as exc:
             return transport_error(exc).message
         if response.status_code != 200:
@@ -191,6 +203,8 @@ class _HttpxExchange:
                 yield chunk
         except httpx.HTTPError as exc:
             raise transport_error(exc) from None
+        except httpx.StreamError:  # closed under it (a drain that ran out of time)
+            raise BackendError("disconnected", "the stream was closed") from None
 
     async def aread(self) -> bytes:
         return b"".join([chunk async for chunk in self.aiter_bytes()])

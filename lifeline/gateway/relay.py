@@ -28,8 +28,6 @@ from lifeline.server.errors import error_body
 
 log = logging.getLogger("lifeline.gateway")
 access = logging.getLogger("lifeline.access")
-ERROR_PREVIEW = 4096
-"""Bytes of a refused attempt's body kept (a backend's error message)."""
 PASSED_HEADERS = ("content-type", "retry-after")
 _CLOSING: set[asyncio.Task] = set()
 
@@ -126,12 +124,15 @@ class Relay:
             try:
                 return await self._attempt(backend, started)
             except BackendError as err:
-                backend.release(False)
+                backend.release(None if self.aborted else False)
                 self._failed(backend, err, started)
                 previous = backend
             except BaseException:
                 backend.release(None)
                 raise
+        if self.aborted:
+            self.status = 503
+            return self._error(503, "the gateway is shutting down", "draining", 1.0)
         return self._exhausted(tried)
 
     async def _attempt(self, backend: Backend, started: float) -> Response:
@@ -170,23 +171,21 @@ class Relay:
         return self._bodies[model]
 
     async def _refused(self, backend: Backend, exchange: Exchange, started: float) -> Response:
-        content = b""
-        async for chunk in exchange.aiter_bytes():
-            content += chunk
-            if len(content) > ERROR_PREVIEW:
-                break
-        close_soon(exchange)
+        """A status other than 200: a failure to move on from, or the client's own error
+        (4xx), passed on as the backend worded it."""
         kind = failure_kind(exchange.status)
         if kind is not None:
+            close_soon(exchange)  # its body (a message we would not show) is not read
             raise BackendError(kind, f"answered HTTP {exchange.status}", exchange.status,
                                _retry_after(exchange.headers))
+        content = await exchange.aread()
+        close_soon(exchange)
         backend.release(True)  # it answered; the request was at fault
         self.backend, self.status = backend, exchange.status
         self.decision.attempts.append(self._attempt_entry(backend, "answered", started,
                                                           exchange.status))
         headers = {k: v for k, v in exchange.headers.items() if k in PASSED_HEADERS}
-        return Response(content[:ERROR_PREVIEW] if len(content) > ERROR_PREVIEW else content,
-                        exchange.status, headers={**headers, **self._own_headers()})
+        return Response(content, exchange.status, headers={**headers, **self._own_headers()})
 
     async def _until_output(self, stream: AsyncIterator[sse.Event]) -> list[sse.Event]:
         """The events up to the first that carries output (or ends the stream)."""
