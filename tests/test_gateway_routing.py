@@ -36,11 +36,11 @@ SERVE = [sys.executable, "-m", "lifeline.cli", "serve", "--no-compile", "--no-hu
 
 
 class Served:
-    """A `lifeline serve` subprocess."""
+    """A `lifeline serve` subprocess: `command` and its flags, then `--port`."""
 
-    def __init__(self, name: str, log: Path, *extra: str):
+    def __init__(self, name: str, log: Path, *command: str):
         self.name, self.log, self.port = name, log, free_port()
-        self.proc = subprocess.Popen([*SERVE, "--port", str(self.port), *extra],
+        self.proc = subprocess.Popen([*command, "--port", str(self.port)],
                                      stdout=log.open("w"), stderr=subprocess.STDOUT,
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
@@ -82,11 +82,34 @@ def _spawned(request, tmp_path_factory):
         yield {}
         return
     logs = tmp_path_factory.mktemp("engines")
-    servers = {"a": Served("a", logs / "a.log", "--max-num-seqs", "4"),
-               "b": Served("b", logs / "b.log", "--max-num-seqs", "1")}
+    servers = {"a": Served("a", logs / "a.log", *SERVE, "--max-num-seqs", "4"),
+               "b": Served("b", logs / "b.log", *SERVE, "--max-num-seqs", "1")}
+    servers["gateway"] = _serve_config(logs, servers["a"], servers["b"])
     yield servers
     for s in servers.values():
         s.stop()
+
+
+def _serve_config(where: Path, a: Served, b: Served) -> Served:
+    """`lifeline serve --config` in front of A and B, as a user runs it (YAML this time); it
+    starts beside them and answers `/ready` once both are up."""
+    path = where / "gateway.yaml"
+    path.write_text(f"""
+server:
+  api_keys: [gw-key]
+health: {{interval_s: 0.5}}
+backends:
+  a: {{base_url: "{a.v1}", model: {MODEL}}}
+  b: {{base_url: "{b.v1}", model: {MODEL}}}
+models:
+  gemma:
+    aliases: [chat, gpt-4o-mini]
+    backends: [a]
+  gemma-b:
+    backends: [b]
+""")
+    return Served("gateway", where / "gateway.log", sys.executable, "-m", "lifeline.cli",
+                  "serve", "--config", str(path), "--no-huge-pages")
 
 
 @pytest.fixture(scope="module")
@@ -548,6 +571,11 @@ def test_a_real_llama_server_behind_the_gateway(tmp_path):
             last = _events(r.text)[-1]
             assert normalize(last)["source"] == "gateway/llama.cpp"
             assert "prompt_ms" in last["timings"]["backend"]["timings"]
+            for _ in range(6):  # on kept-alive connections, which llama-server drops unsaid
+                plain = httpx.post(gw.base_url + "/v1/chat/completions",
+                                   json={"model": "m", **_chat()}, timeout=60)
+                assert plain.status_code == 200
+                assert [a["outcome"] for a in plain.json()["routing"]["attempts"]] == ["served"]
     finally:
         proc.kill()
         proc.wait(10)
@@ -562,32 +590,10 @@ def _ok(url: str) -> bool:
 
 # -- real engines behind the gateway -----------------------------------------------------
 
-def test_serve_config_serves_its_models_and_aliases_to_the_openai_client(engines, tmp_path):
-    a, b = engines["a"], engines["b"]
-    path = tmp_path / "gateway.yaml"
-    path.write_text(f"""
-server:
-  api_keys: [gw-key]
-health: {{interval_s: 0.5}}
-backends:
-  a: {{base_url: "{a.v1}", model: {MODEL}}}
-  b: {{base_url: "{b.v1}", model: {MODEL}}}
-models:
-  gemma:
-    aliases: [chat, gpt-4o-mini]
-    backends: [a]
-  gemma-b:
-    backends: [b]
-""")
-    port = free_port()
-    log = tmp_path / "gateway.log"
-    proc = subprocess.Popen([sys.executable, "-m", "lifeline.cli", "serve", "--config",
-                             str(path), "--port", str(port), "--no-huge-pages"],
-                            stdout=log.open("w"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    base = f"http://127.0.0.1:{port}"
+def test_serve_config_serves_its_models_and_aliases_to_the_openai_client(engines):
+    a, gateway = engines["a"], engines["gateway"]
+    proc, log, base = gateway.proc, gateway.log, gateway.root
     try:
-        _wait_for(lambda: proc.poll() is None and _ok(base + "/ready"), 120, "the gateway")
         client = openai.OpenAI(base_url=base + "/v1", api_key="gw-key", max_retries=0)
         direct = openai.OpenAI(base_url=a.v1, api_key="none", max_retries=0)
         assert {m.id for m in client.models.list().data} == {

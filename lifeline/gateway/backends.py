@@ -5,6 +5,7 @@ this process through `asgi_bridge`. A gateway cannot tokenize for an arbitrary u
 so it forwards requests, not token ids (docs/gateway.md)."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
@@ -18,6 +19,7 @@ from lifeline.gateway.config import BackendSpec, GatewayConfig
 from lifeline.gateway.health import CircuitBreaker
 
 log = logging.getLogger("lifeline.gateway")
+_CLOSING: set[asyncio.Task] = set()
 
 
 class BackendError(Exception):
@@ -342,3 +344,25 @@ def build_backends(config: GatewayConfig, preloaded: dict[str, Any] | None = Non
         else:
             out[name] = LocalBackend(spec, config, preloaded.get(name), on_fatal)
     return out
+
+
+def failure_kind(status: int) -> str | None:
+    """The kind of failure a status is, or None when the answer stands (the client's own
+    error, passed on as it is)."""
+    if status == 429:
+        return "http_429"
+    if status == 503:
+        return "http_503"
+    if status >= 500:
+        return "http_5xx"
+    if status in (401, 403):
+        return "upstream_auth"  # the gateway's key for the upstream, not the client's
+    return None
+
+
+def close_soon(exchange: Exchange) -> None:
+    """Close an exchange from its own task: the caller may be inside a cancelled scope, where
+    an await would be interrupted before the connection is released."""
+    task = asyncio.get_running_loop().create_task(exchange.aclose())
+    _CLOSING.add(task)
+    task.add_done_callback(_CLOSING.discard)

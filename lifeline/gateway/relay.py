@@ -14,44 +14,18 @@ import json
 import logging
 import time
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lifeline.bench.stages import normalize
-from lifeline.gateway import sse
-from lifeline.gateway.backends import Backend, BackendError, Exchange
+from lifeline.gateway import record, sse
+from lifeline.gateway.backends import Backend, BackendError, Exchange, close_soon, failure_kind
 from lifeline.gateway.router import Decision, Route
 from lifeline.observe import ServerStamps
 from lifeline.server.errors import error_body
 
 log = logging.getLogger("lifeline.gateway")
-access = logging.getLogger("lifeline.access")
 PASSED_HEADERS = ("content-type", "retry-after")
-_CLOSING: set[asyncio.Task] = set()
-
-
-def failure_kind(status: int) -> str | None:
-    """The kind of failure a status is, or None when the answer stands (the client's own
-    error, passed on as it is)."""
-    if status == 429:
-        return "http_429"
-    if status == 503:
-        return "http_503"
-    if status >= 500:
-        return "http_5xx"
-    if status in (401, 403):
-        return "upstream_auth"  # the gateway's key for the upstream, not the client's
-    return None
-
-
-def close_soon(exchange: Exchange) -> None:
-    """Close an exchange from its own task: the caller may be inside a cancelled scope, where
-    an await would be interrupted before the connection is released."""
-    task = asyncio.get_running_loop().create_task(exchange.aclose())
-    _CLOSING.add(task)
-    task.add_done_callback(_CLOSING.discard)
 
 
 class Relay:
@@ -215,7 +189,7 @@ class Relay:
     def _attempt_entry(self, backend: Backend, outcome: str, started: float,
                        status: int | None = None) -> dict[str, Any]:
         return {"backend": backend.name, "outcome": outcome, "status": status,
-                "ms": _ms(time.perf_counter() - started)}
+                "ms": record.ms(time.perf_counter() - started)}
 
     def _exhausted(self, tried: int) -> Response:
         name = self.route.spec.name
@@ -261,7 +235,7 @@ class Relay:
         data["timings"] = timings
         data["routing"] = self.decision_dict()
         self.verdict = True
-        return JSONResponse(data, headers={"Server-Timing": _server_timing(timings),
+        return JSONResponse(data, headers={"Server-Timing": record.server_timing(timings),
                                            **self._own_headers()})
 
     def _commit(self, backend: Backend, exchange: Exchange,
@@ -309,47 +283,58 @@ class Relay:
             piece = self._pass(event, tail)
             if piece:
                 yield piece
-        done = bool(held and held[-1].done)
-        try:
-            while not done:
-                event = await anext(stream, None)
-                if event is None:
-                    raise BackendError("incomplete_stream", "the backend ended the stream "
-                                       "without [DONE]")
-                if event.done:
-                    done = True
-                    break
-                if event.error:
-                    self.verdict, self.status = False, 502
-                    self.state.metrics.backend_errors.labels(self.backend.name,
-                                                             "error_event").inc()
-                    for e in tail:
-                        yield e.raw
-                    yield event.raw
-                    return
-                piece = self._pass(event, tail)
-                if piece:
+        if not (held and held[-1].done):
+            try:
+                async for piece in self._rest(stream, tail):
                     yield piece
-        except BackendError as err:
-            for e in tail:
-                yield e.raw
-            if self.aborted:
-                self.verdict, self.status = None, 503
-                yield sse.encode(error_body(503, "the gateway is shutting down; the answer is "
-                                            "incomplete", None, "draining"))
+            except BackendError as err:
+                for piece in self._broken(err, tail):
+                    yield piece
                 return
-            self.verdict, self.status = False, 502
-            self.state.metrics.backend_errors.labels(self.backend.name, err.kind).inc()
-            yield sse.encode({"error": {
-                "message": f"the backend {self.backend.name!r} failed after the answer began "
-                           f"({err.message}); the answer is incomplete", "type": "server_error",
-                "param": None, "code": "backend_failed_mid_stream"}})
-            return
+            if self.verdict is False:
+                return
         self.verdict = True
         self.stamps.mark("last_byte")
         for piece in self._closing(tail):
             yield piece
         yield b"data: [DONE]\n\n"
+
+    async def _rest(self, stream: AsyncIterator[sse.Event], tail: list[sse.Event]
+                    ) -> AsyncIterator[bytes]:
+        """The stream after the held events, up to `[DONE]` or the backend's error event
+        (passed on as it came; the stream then ends)."""
+        while True:
+            event = await anext(stream, None)
+            if event is None:
+                raise BackendError("incomplete_stream", "the backend ended the stream without "
+                                   "[DONE]")
+            if event.done:
+                return
+            if event.error:
+                self.verdict, self.status = False, 502
+                self.state.metrics.backend_errors.labels(self.backend.name, "error_event").inc()
+                for e in [*tail, event]:
+                    yield e.raw
+                return
+            piece = self._pass(event, tail)
+            if piece:
+                yield piece
+
+    def _broken(self, err: BackendError, tail: list[sse.Event]) -> list[bytes]:
+        """The end of a stream whose backend failed after the answer began: what was held, then
+        an error event (never a silent end, never `[DONE]`)."""
+        pieces = [e.raw for e in tail]
+        if self.aborted:
+            self.verdict, self.status = None, 503
+            return pieces + [sse.encode(error_body(
+                503, "the gateway is shutting down; the answer is incomplete", None,
+                "draining"))]
+        self.verdict, self.status = False, 502
+        self.state.metrics.backend_errors.labels(self.backend.name, err.kind).inc()
+        return pieces + [sse.encode({"error": {
+            "message": f"the backend {self.backend.name!r} failed after the answer began "
+                       f"({err.message}); the answer is incomplete", "type": "server_error",
+            "param": None, "code": "backend_failed_mid_stream"}})]
 
     def _pass(self, event: sse.Event, tail: list[sse.Event]) -> bytes | None:
         """Note what the event says; its bytes to send now, or None when it joins the tail."""
@@ -402,47 +387,10 @@ class Relay:
     # -- what happened ------------------------------------------------------------------
 
     def timings(self) -> dict[str, Any]:
-        """The gateway's stage (ms), the backend's own timings nested under `backend`."""
-        s = self.stamps
-        parsed = s.parsed or s.arrival
-        routed = self.routed or parsed
-        connect = None
-        if "connected" in self.marks and "connecting" in self.marks:
-            connect = _ms(self.marks["connected"] - self.marks["connecting"])
-        elif self.sent_at is not None:
-            connect = 0.0  # a kept-alive connection, or a local engine
-        headers = None
-        if "headers" in self.marks and self.sent_at is not None:
-            headers = _ms(self.marks["headers"] - self.sent_at)
-        end = s.last_byte or time.perf_counter()
-        backend = None
-        if self.backend is not None:
-            backend = {"name": self.backend.name, **(self.reported or {})}
-        return {"gateway_ms": _ms(parsed - s.arrival), "routing_ms": _ms(routed - parsed),
-                "retries": sum(1 for a in self.decision.attempts
-                               if a["outcome"] not in ("skipped", "served", "answered")),
-                "retry_ms": _ms(self.failed_s), "upstream_connect_ms": connect,
-                "upstream_headers_ms": headers,
-                "ttft_ms": _ms(self.first_output - s.arrival) if self.first_output else None,
-                "e2e_ms": _ms(end - s.arrival), "backend": backend}
-
-    def outcome(self) -> dict[str, Any]:
-        """What the chosen backend did, joined to the decision: its cached prompt tokens and
-        its own TTFT (the bench's normalisation of whatever timings it reported)."""
-        reported = normalize(self.reported) if self.reported else None
-        cached = reported.get("cached_tokens") if reported else None
-        usage = self.usage or {}
-        if cached is None:
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
-        return {"backend": self.backend.name if self.backend else None, "status": self.status,
-                "prompt_tokens": usage.get("prompt_tokens"), "cached_tokens": cached,
-                "backend_ttft_ms": reported.get("server_ttft_ms") if reported else None,
-                "backend_timings_source": reported.get("source") if reported else None,
-                "ttft_ms": _ms(self.first_output - self.stamps.arrival)
-                if self.first_output else None}
+        return record.timings(self)
 
     def decision_dict(self) -> dict[str, Any]:
-        self.decision.outcome = self.outcome()
+        self.decision.outcome = record.outcome(self)
         return self.decision.to_dict()
 
     def finish(self) -> None:
@@ -450,31 +398,11 @@ class Relay:
         if self.accounted:
             return
         self.accounted = True
-        state = self.state
-        state.admission.in_flight -= 1
-        state.generations.discard(self)
+        self.state.admission.in_flight -= 1
+        self.state.generations.discard(self)
         if self.stamps.last_byte is None:
             self.stamps.mark("last_byte")
-        routing = self.decision_dict()
-        timings = self.timings()
-        spec = self.route.spec
-        m = state.metrics
-        m.requests.labels(spec.name, str(self.status)).inc()
-        if self.routed is not None:
-            m.routing.observe(max(self.routed - (self.stamps.parsed or self.stamps.arrival), 0))
-        if self.decision.pool:
-            m.split.labels(spec.name, self.decision.pool).inc()
-            m.decisions.labels(spec.name, self.decision.policy, self.decision.code).inc()
-        if self.backend is not None and self.verdict and self.sent_at is not None:
-            m.latency.labels(self.backend.name).observe(self.stamps.last_byte - self.sent_at)
-        state.router.remember(self.decision)
-        if access.isEnabledFor(logging.INFO):
-            access.info(json.dumps({
-                "ts": datetime.now(UTC).isoformat(timespec="milliseconds").replace(
-                    "+00:00", "Z"), "request_id": self.id, "model": spec.name,
-                "endpoint": self.endpoint, "status": self.status, "stream": self.stream,
-                "backend": self.backend.name if self.backend else None,
-                "timings": timings, "routing": routing}, separators=(",", ":")))
+        record.account(self, self.decision_dict(), self.timings())
 
     def abort(self) -> None:
         """A shutdown that ran out of time: end the relay (the client gets an error event)."""
@@ -520,14 +448,3 @@ def _retry_after(headers: dict[str, str]) -> float | None:
         return float(headers["retry-after"])
     except (KeyError, ValueError):
         return None
-
-
-def _server_timing(timings: dict[str, Any]) -> str:
-    names = ("gateway", "routing", "retry", "upstream_connect", "upstream_headers", "ttft",
-             "e2e")
-    return ", ".join(f"{n};dur={timings[f'{n}_ms']:.3f}" for n in names
-                     if timings.get(f"{n}_ms") is not None)
-
-
-def _ms(seconds: float | None) -> float | None:
-    return None if seconds is None else seconds * 1e3
