@@ -383,6 +383,40 @@ def test_gateway_keys_stay_at_the_gateway_and_its_rate_limit_applies():
             assert up.served() == 3
 
 
+def test_sigterm_drains_the_gateway_requests_in_flight_finish_new_ones_get_503():
+    with Upstream("slow") as slow:
+        config = f"""
+            [server]
+            shutdown_timeout_s = 30
+            [backends.slow]
+            base_url = "{slow.base_url}"
+            [models.m]
+            backends = ["slow"]
+            """
+        gw = _gateway(config).start()
+        try:
+            slow.hold()
+            with cf.ThreadPoolExecutor(1) as pool:
+                held = pool.submit(httpx.post, gw.base_url + "/v1/completions",
+                                   json={"model": "m", "prompt": "p"}, timeout=30)
+                _wait_for(lambda: slow.served() == 1, what="the request in flight")
+                gw.sigterm()
+                refused = httpx.post(gw.base_url + "/v1/completions",
+                                     json={"model": "m", "prompt": "p"}, timeout=30)
+                assert refused.status_code == 503 and refused.json()["error"]["code"] == \
+                    "draining"
+                assert int(refused.headers["Retry-After"]) >= 1
+                assert httpx.get(gw.base_url + "/ready").json()["status"] == "draining"
+                slow.release()
+                assert held.result().status_code == 200
+                assert held.result().json()["choices"][0]["text"] == "answer from slow"
+            gw.thread.join(20)
+            assert not gw.thread.is_alive()  # it stopped by itself once drained
+        finally:
+            gw.stop()
+        assert slow.served() == 1
+
+
 # -- the traffic split ----------------------------------------------------------------------
 
 def test_a_canary_split_holds_its_weights_over_1000_requests_and_sessions_stick():
@@ -649,6 +683,8 @@ def test_a_local_engine_and_an_upstream_share_one_route(engines, default_model):
         model = "{MODEL}"
         [models.gemma]
         pools = [{{name = "here", backends = ["local"]}}, {{name = "there", backends = ["a"]}}]
+        [models.gemma-here]
+        backends = ["local"]
         """
     reference = httpx.post(a.v1 + "/chat/completions", json={"model": MODEL, **_chat()},
                            timeout=120).json()["choices"][0]["message"]["content"]
@@ -664,10 +700,24 @@ def test_a_local_engine_and_an_upstream_share_one_route(engines, default_model):
         chunks = list(client.chat.completions.create(model="gemma", stream=True,
                                                      **_chat("Name a fruit.")))
         assert chunks[-1].model_extra["routing"]["chosen"] == "local"
+        engine = gw.state.backends["local"].state.client
+        with httpx.stream("POST", gw.base_url + "/v1/completions", json={
+                "model": "gemma-here", "prompt": "Once upon a time", "max_tokens": 200,
+                "ignore_eos": True, "stream": True}, timeout=120) as r:
+            seen = 0
+            for line in r.iter_lines():
+                seen += line.startswith("data: {")
+                if seen == 3:
+                    break  # the client leaves mid-stream
+        _wait_for(lambda: engine.stats().num_running == 0 and engine.stats().kv_usage == 0,
+                  60, "the local engine to abort the request and free its blocks")
+        assert gw.state.backends["local"].outstanding == 0
         metrics = httpx.get(gw.base_url + "/metrics").text
     assert _metric(metrics, "lifeline:time_to_first_token_seconds_count",
-                   model_name=MODEL) == 2  # the local engine's own series, beside ours
-    assert _metric(metrics, "lifeline:gateway_backend_requests_total", backend="local") == 2
+                   model_name=MODEL) == 3  # the local engine's own series, beside ours
+    assert _metric(metrics, "lifeline:gateway_backend_requests_total", backend="local") == 3
+    assert _metric(metrics, "lifeline:gateway_requests_total", model_name="gemma-here",
+                   status="499") == 1
 
 
 def test_prefix_affinity_keeps_a_shared_prefix_where_it_is_cached(engines):
