@@ -109,6 +109,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the model behind an OpenAI-compatible API")
+    p.add_argument("--config", type=Path, default=None,
+                   help="a gateway file (TOML or YAML) declaring several models and their "
+                        "backends, local engines or upstream servers (docs/gateway.md)")
     p.add_argument("--model", default=None, help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -191,6 +194,8 @@ def exec_with_huge_pages() -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.huge_pages and args.exec_allowed:
         exec_with_huge_pages()
+    if args.config is not None:
+        return serve_gateway(args)
     from lifeline.model.loader import load_model
     from lifeline.server.run import build_app, serve
 
@@ -200,6 +205,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (RuntimeError, ValueError) as exc:
         print(f"lifeline serve: {exc}", file=sys.stderr)
         return 2
+    return serve(app)
+
+
+GATEWAY_FLAGS = ("config", "host", "port", "api_key", "huge_pages", "command", "exec_allowed")
+"""`serve` flags that apply with `--config`; the file says everything else."""
+
+
+def serve_gateway(args: argparse.Namespace) -> int:
+    """`lifeline serve --config FILE`: the gateway; `--host`, `--port` and `--api-key` apply
+    where the file does not set them."""
+    from lifeline.gateway.config import ConfigError, load_config
+
+    defaults = vars(build_parser().parse_args(["serve"]))
+    stray = [f"--{k.replace('_', '-')}" for k, v in vars(args).items()
+             if k not in GATEWAY_FLAGS and defaults.get(k) != v]
+    if stray:
+        print(f"lifeline serve: {', '.join(stray)} cannot be combined with --config: set "
+              "models and engine options in the file (docs/gateway.md)", file=sys.stderr)
+        return 2
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"lifeline serve: {exc}", file=sys.stderr)
+        return 2
+    from lifeline.gateway.app import create_gateway_app
+    from lifeline.observe import AccessLog
+    from lifeline.server.run import serve
+
+    config.host = config.host or args.host
+    config.port = args.port if config.port is None else config.port
+    config.api_keys = [*config.api_keys, *args.api_key]
+    app = create_gateway_app(config)
+    AccessLog.configure()
     return serve(app)
 
 

@@ -24,9 +24,12 @@ ADVICE = {
 
 def normalize(body: dict[str, Any]) -> dict[str, float | None] | None:
     """Stage timings (ms) from a response or final chunk: Lifeline's and llama.cpp's `timings`,
-    vLLM's per-request `metrics`. None when the server reported none."""
+    vLLM's per-request `metrics`, and a Lifeline gateway's (its backend's nested in them).
+    None when the server reported none."""
     timings = body.get("timings")
     if isinstance(timings, dict):
+        if "routing_ms" in timings:
+            return _gateway(timings)
         if "gateway_ms" in timings:
             return _lifeline(timings)
         if "prompt_ms" in timings:
@@ -43,6 +46,20 @@ def _lifeline(t: dict[str, Any]) -> dict[str, float | None]:
             "prefill_ms": t.get("prefill_ms"), "decode_ms": t.get("decode_ms"),
             "server_ttft_ms": t.get("ttft_ms"), "server_e2e_ms": t.get("e2e_ms"),
             "cached_tokens": t.get("cached_tokens")}
+
+
+def _gateway(t: dict[str, Any]) -> dict[str, float | None]:
+    """The gateway's own time (parsing, routing, failed attempts) joins the backend's front;
+    the backend's queue, prefill and decode stay its own; TTFT and E2E are the gateway's,
+    which start when the request reached it."""
+    inner = normalize(t.get("backend") or {}) or {}
+    own = sum(t.get(k) or 0.0 for k in ("gateway_ms", "routing_ms", "retry_ms"))
+    source = inner.get("source")
+    return {"source": f"gateway/{source}" if source else "gateway",
+            "front_ms": own + (inner.get("front_ms") or 0.0), "queue_ms": inner.get("queue_ms"),
+            "prefill_ms": inner.get("prefill_ms"), "decode_ms": inner.get("decode_ms"),
+            "server_ttft_ms": t.get("ttft_ms"), "server_e2e_ms": t.get("e2e_ms"),
+            "cached_tokens": inner.get("cached_tokens")}
 
 
 def _llama_cpp(t: dict[str, Any]) -> dict[str, float | None]:

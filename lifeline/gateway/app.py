@@ -1,0 +1,227 @@
+"""`create_gateway_app(config)`: the FastAPI application behind `lifeline serve --config FILE`.
+
+It serves every model the file declares at `/v1/chat/completions` and `/v1/completions`,
+routes each request (`lifeline.gateway.router`), relays the backend's answer
+(`lifeline.gateway.relay`), and reports on its backends at `/health`, `/ready`, `/metrics`,
+`/gateway/backends` and `/gateway/decisions`."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from lifeline.gateway.backends import build_backends
+from lifeline.gateway.config import GatewayConfig, RouteSpec
+from lifeline.gateway.health import HealthChecker
+from lifeline.gateway.relay import Relay
+from lifeline.gateway.router import Router
+from lifeline.gateway.state import GatewayState
+from lifeline.server.errors import APIError, install_handlers, parse_json
+from lifeline.server.limits import INLINE_JSON_COMMAS
+from lifeline.server.middleware import GatewayMiddleware
+from lifeline.server.openai_api import off_loop
+from lifeline.server.state import new_id, short_gil_turns
+
+ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+
+
+def create_gateway_app(config: GatewayConfig, preloaded: dict[str, Any] | None = None
+                       ) -> FastAPI:
+    """A gateway for `config`. `preloaded` maps local backend names to models already loaded
+    (tests, notebooks); the others load in the background once the app starts."""
+    holder: dict[str, GatewayState] = {}
+    backends = build_backends(config, preloaded, lambda b: holder["state"].fail_backend(b))
+    state = holder["state"] = GatewayState(
+        config=config, backends=backends, router=Router(config, backends),
+        health=HealthChecker(backends.values(), config.health_interval_s,
+                             config.health_timeout_s, config.unhealthy_after))
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        async with contextlib.AsyncExitStack() as stack:
+            for backend in backends.values():
+                await backend.start(stack)
+            await state.health.check_all()
+            state.health.start()
+            stack.push_async_callback(state.health.stop)
+            with short_gil_turns():
+                yield
+
+    app = FastAPI(title="Lifeline gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.lifeline = state
+    install_handlers(app)
+    _add_routes(app, state)
+    app.add_middleware(GatewayMiddleware, state=state)
+    return app
+
+
+def _add_routes(app: FastAPI, state: GatewayState) -> None:
+    for endpoint in ENDPOINTS:
+        app.add_api_route(endpoint, _generate_handler(endpoint), methods=["POST"])
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """The gateway answers: 'ok', with where each backend stands."""
+        return JSONResponse({"status": "ok", "backends": {
+            name: b.status() for name, b in state.backends.items()}})
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        if state.load_error is not None:
+            return JSONResponse({"status": "failed", "error": state.load_error}, 503)
+        if state.admission.draining:
+            return JSONResponse({"status": "draining"}, 503, {"Retry-After": "1"})
+        models = state.readiness()
+        if not all(models.values()):
+            return JSONResponse({"status": "waiting", "models": models}, 503,
+                                {"Retry-After": "1"})
+        return JSONResponse({"status": "ready", "models": models})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = state.metrics.render(state.backends.values(),
+                                                  state.local_registries())
+        return Response(body, media_type=content_type)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        cards = []
+        for route in state.config.models.values():
+            cards.append(_card(state, route, route.name))
+            cards += [_card(state, route, alias) for alias in route.aliases]
+        return {"object": "list", "data": cards}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict[str, Any]:
+        route = state.router.resolve(model_id).spec
+        return _card(state, route, model_id)
+
+    @app.get("/gateway/backends")
+    async def backends() -> dict[str, Any]:
+        return {name: b.status() for name, b in state.backends.items()}
+
+    @app.get("/gateway/decisions")
+    async def decisions(limit: int = 50) -> dict[str, Any]:
+        recent = list(state.router.recent)[-max(limit, 0):] if limit > 0 else []
+        return {"object": "list", "data": recent}
+
+
+def _card(state: GatewayState, route: RouteSpec, name: str) -> dict[str, Any]:
+    card: dict[str, Any] = {"id": name, "object": "model", "created": state.created,
+                            "owned_by": "lifeline"}
+    if name != route.name:
+        card["parent"] = route.name
+    card["root"] = route.name
+    card["backends"] = sorted({b for p in route.pools for b in p.backends}
+                              | set(route.fallbacks))
+    return card
+
+
+def _generate_handler(endpoint: str) -> Any:
+    async def handler(request: Request) -> Response:
+        state: GatewayState = request.app.state.lifeline
+        stamps = request.state.stamps
+        state.admission.check_open()
+        body = await _parse(request, state)
+        requested = body.get("model")
+        route = state.router.resolve(requested)
+        stamps.mark("parsed")
+        state.limiter.admit_request(request.state.key)
+        spec = route.spec
+        decision = state.router.decide(
+            route, requested if isinstance(requested, str) else None,
+            _session(body, request, spec), _prompt_text(body, spec.prefix_chars))
+        relay = Relay(state, stamps, new_id("gw"), endpoint, body, route, decision)
+        request.state.accounted = True
+        return await _unless_client_leaves(request, relay)
+
+    handler.__name__ = endpoint.strip("/").replace("/", "_")
+    return handler
+
+
+async def _parse(request: Request, state: GatewayState) -> dict[str, Any]:
+    raw = await request.body()
+    depth = state.config.max_json_depth
+    if raw.count(b",") <= INLINE_JSON_COMMAS:
+        return parse_json(raw, depth)
+    return await off_loop(lambda: parse_json(raw, depth, True))
+
+
+async def _unless_client_leaves(request: Request, relay: Relay) -> Response:
+    """The relay's response; a client that leaves before the answer begins cancels the attempt
+    in flight (its backend then sees the connection close and aborts)."""
+    attempts = asyncio.ensure_future(relay.respond())
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({attempts, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if attempts.done():
+            return attempts.result()
+        attempts.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await attempts
+        return Response(status_code=499)
+    finally:
+        for task in (attempts, watcher):
+            task.cancel()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _session(body: dict[str, Any], request: Request, spec: RouteSpec
+             ) -> tuple[str, str] | None:
+    """The sticky key: the first of the route's sources the request has."""
+    for source in spec.sticky:
+        if source == "user":
+            value = body.get("user")
+            if isinstance(value, str) and value:
+                return "user", value
+        else:
+            value = request.headers.get(source)
+            if value:
+                return f"header {source}", value
+    return None
+
+
+def _prompt_text(body: dict[str, Any], limit: int) -> str | None:
+    """The prompt's leading `limit` characters, for prefix affinity: the messages as role and
+    text in order (what a chat template keeps at the front), or the completion prompt."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts: list[str] = []
+        size = 0
+        for message in messages:
+            if not isinstance(message, dict):
+                continue
+            text = f"{message.get('role')}:{_content_text(message.get('content'))}\n"
+            parts.append(text)
+            size += len(text)
+            if size >= limit:
+                break
+        return "".join(parts)[:limit] or None
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt:
+        prompt = prompt[0] if not isinstance(prompt[0], int) else prompt
+    if isinstance(prompt, list):
+        return ",".join(str(t) for t in prompt[:limit])[:limit] or None
+    if isinstance(prompt, str):
+        return prompt[:limit] or None
+    return None
+
+
+def _content_text(content: Any) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content
+                       if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return ""
+
+
+__all__ = ["APIError", "create_gateway_app"]

@@ -1,0 +1,354 @@
+"""`lifeline serve --config FILE`: the models a gateway serves and the backends behind them, read
+from TOML or YAML and validated once, with errors that name the key at fault.
+
+    [backends.NAME]   a local engine (`model` = a model spec) or an upstream OpenAI server
+                      (`base_url`); docs/gateway.md lists every key.
+    [models.NAME]     a route: aliases, pools of replicas with weights and a balancing
+                      policy, a fallback chain, stickiness, attempt and first-token limits.
+    [server] [health] [circuit_breaker]   the gateway's own settings.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from lifeline.engine.engine import EngineConfig
+from lifeline.gateway.config_values import (
+    ConfigError,
+    Table,
+    at_least_one,
+    boolean,
+    choice,
+    integer,
+    names,
+    non_negative,
+    positive,
+    size,
+    sticky,
+    tables,
+    text,
+)
+
+POLICIES = ("least_outstanding", "power_of_two", "prefix_affinity", "round_robin")
+KINDS = ("local", "upstream")
+
+
+@dataclass(frozen=True, slots=True)
+class BackendSpec:
+    name: str
+    kind: str
+    """'local': an engine in this process; 'upstream': an OpenAI-compatible server."""
+    model: str | None
+    """Upstream: the model name the upstream serves (None: the route's name). Local: the
+    model spec (a GGUF file, an HF directory, `preset:NAME`; None: the default model)."""
+    base_url: str | None = None
+    """Upstream: where its OpenAI API lives, `/v1` included."""
+    api_key: str | None = None
+    """Upstream: the bearer key the gateway sends it (never the client's)."""
+    served_model_name: str | None = None
+    """Local: the name its server answers to (default: as `lifeline serve` names it)."""
+    engine: EngineConfig | None = None
+    server_options: dict[str, Any] = field(default_factory=dict)
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0
+    """Longest silence between two reads of a response."""
+    first_token_timeout_s: float | None = None
+    """A stream with no output token by then goes to the next backend (the route's own limit
+    wins)."""
+    max_concurrency: int | None = None
+    """Requests in flight at once; a backend at its limit is skipped."""
+    health_path: str = "/health"
+
+    @property
+    def root_url(self) -> str:
+        """The upstream's server root (its `/health` lives there, not under `/v1`)."""
+        base = (self.base_url or "").rstrip("/")
+        return base.removesuffix("/v1")
+
+
+@dataclass(frozen=True, slots=True)
+class PoolSpec:
+    """Replicas that share a route's traffic in proportion to `weight`."""
+    name: str
+    backends: tuple[str, ...]
+    weight: float
+    policy: str
+
+
+@dataclass(frozen=True, slots=True)
+class RouteSpec:
+    name: str
+    pools: tuple[PoolSpec, ...]
+    aliases: tuple[str, ...] = ()
+    fallbacks: tuple[str, ...] = ()
+    """Backends tried, in order, after every pool's replicas."""
+    sticky: tuple[str, ...] = ()
+    """Where a session key is read, in order: 'user' (the body's field) or a header name."""
+    max_attempts: int = 3
+    first_token_timeout_s: float | None = None
+    prefix_chars: int = 256
+    """Leading prompt characters hashed by `prefix_affinity`."""
+    load_factor: float = 1.25
+    """`prefix_affinity`'s bound: no replica takes more than this times its fair share."""
+
+
+@dataclass(slots=True)
+class GatewayConfig:
+    backends: dict[str, BackendSpec]
+    models: dict[str, RouteSpec]
+    host: str | None = None
+    port: int | None = None
+    api_keys: list[str] = field(default_factory=list)
+    protect_metrics: bool = False
+    rate_limit_rpm: int | None = None
+    max_body_bytes: int = 8 << 20
+    max_json_depth: int = 64
+    shutdown_timeout: float = 30.0
+    default_model: str | None = None
+    """The route of a request that names no model (default: the only one, if one)."""
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 2.0
+    unhealthy_after: int = 2
+    """Consecutive failed health checks that take a backend out of rotation."""
+    breaker_failures: int = 3
+    """Consecutive failed requests that open a backend's circuit."""
+    breaker_cooldown_s: float = 10.0
+    source: str = "<config>"
+
+    def names(self) -> dict[str, str]:
+        """Every name a client may ask for (models and aliases) -> its route."""
+        out = {}
+        for route in self.models.values():
+            out[route.name] = route.name
+            out.update({alias: route.name for alias in route.aliases})
+        return out
+
+
+def load_config(path: str | Path) -> GatewayConfig:
+    """Read and validate a TOML (`.toml`) or YAML (`.yaml`, `.yml`) gateway file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read the config: {exc.strerror or exc}") from None
+    return parse_config(text, path.suffix.lower(), str(path))
+
+
+def parse_config(text: str, suffix: str, source: str = "<config>") -> GatewayConfig:
+    if suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    elif suffix == ".toml":
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{source}: not valid TOML: {exc}") from None
+    else:
+        raise ConfigError(f"{source}: the config must be a .toml, .yaml or .yml file")
+    return _Builder(source).build(data)
+
+
+class _Builder:
+    def __init__(self, source: str):
+        self.source = source
+
+    def build(self, data: Any) -> GatewayConfig:
+        if data is None:
+            data = {}
+        top = Table(data, "", self.source)
+        server = top.table("server", None)
+        health = top.table("health", None)
+        breaker = top.table("circuit_breaker", None)
+        backends_table = top.table("backends")
+        models_table = top.table("models")
+        top.done()
+        backends = {name: self.backend(name, backends_table) for name in
+                    list(backends_table.data)}
+        if not backends:
+            raise ConfigError(f"{self.source}: backends: declare at least one backend")
+        models = {name: self.route(name, models_table, backends) for name in
+                  list(models_table.data)}
+        if not models:
+            raise ConfigError(f"{self.source}: models: declare at least one model")
+        config = GatewayConfig(backends=backends, models=models, source=self.source)
+        self.check_names(config)
+        if server is not None:
+            self.server(server, config)
+        if health is not None:
+            config.health_interval_s = health.get("interval_s", positive, 5.0)
+            config.health_timeout_s = health.get("timeout_s", positive, 2.0)
+            config.unhealthy_after = health.get("unhealthy_after", integer(1), 2)
+            health.done()
+        if breaker is not None:
+            config.breaker_failures = breaker.get("failures", integer(1), 3)
+            config.breaker_cooldown_s = breaker.get("cooldown_s", positive, 10.0)
+            breaker.done()
+        return config
+
+    def server(self, t: Table, config: GatewayConfig) -> None:
+        config.host = t.get("host", text, None)
+        config.port = t.get("port", integer(0), None)
+        config.api_keys = list(t.get("api_keys", names, ()))
+        config.protect_metrics = t.get("protect_metrics", boolean, False)
+        config.rate_limit_rpm = t.get("rate_limit_rpm", integer(1), None)
+        config.max_body_bytes = t.get("max_body_bytes", size, 8 << 20)
+        config.shutdown_timeout = t.get("shutdown_timeout_s", non_negative, 30.0)
+        default = t.get("default_model", text, None)
+        if default is not None and default not in config.names():
+            raise t.fail("default_model", f"no model or alias named {default!r}")
+        config.default_model = default
+        t.done()
+
+    def backend(self, name: str, parent: Table) -> BackendSpec:
+        t = parent.table(name)
+        base_url = t.get("base_url", text, None)
+        kind = t.get("kind", text, "upstream" if base_url else "local")
+        if kind not in KINDS:
+            raise t.fail("kind", f"expected one of {', '.join(KINDS)}, got {kind!r}")
+        common = dict(
+            name=name, kind=kind, model=t.get("model", text, None),
+            connect_timeout_s=t.get("connect_timeout_s", positive, 5.0),
+            read_timeout_s=t.get("read_timeout_s", positive, 600.0),
+            first_token_timeout_s=t.get("first_token_timeout_s", positive, None),
+            max_concurrency=t.get("max_concurrency", integer(1), None))
+        if kind == "upstream":
+            if base_url is None:
+                raise t.fail("base_url", "required for an upstream backend")
+            if not base_url.startswith(("http://", "https://")):
+                raise t.fail("base_url", f"expected an http:// or https:// URL, got "
+                             f"{base_url!r}")
+            key = t.get("api_key", text, None)
+            env = t.get("api_key_env", text, None)
+            if env is not None:
+                if env not in os.environ:
+                    raise t.fail("api_key_env", f"the environment has no {env!r}")
+                key = os.environ[env]
+            spec = BackendSpec(**common, base_url=base_url, api_key=key,
+                               health_path=t.get("health_path", text, "/health"))
+        else:
+            if base_url is not None:
+                raise t.fail("base_url", "a local backend has no base_url")
+            engine = self.engine(t.table("engine", None))
+            options = self.server_options(t.table("server", None))
+            spec = BackendSpec(**common, engine=engine, server_options=options,
+                               served_model_name=t.get("served_model_name", text, None))
+        t.done()
+        return spec
+
+    def engine(self, t: Table | None) -> EngineConfig:
+        """A local backend's engine options; the command line's defaults (int8-all weights,
+        compiled) where the file says nothing."""
+        from lifeline.cli import DEFAULT_KV_CACHE_BYTES, DEFAULT_WEIGHTS, WEIGHT_FORMATS
+
+        values: dict[str, Any] = {"weights": DEFAULT_WEIGHTS, "compile": True,
+                                  "kv_cache_memory_bytes": DEFAULT_KV_CACHE_BYTES}
+        if t is None:
+            return EngineConfig(**values)
+        fields = {f.name: str(f.type) for f in dataclasses.fields(EngineConfig)}
+        for key in list(t.data):
+            if key not in fields:
+                raise t.fail(str(key), f"unknown key (known here: {', '.join(fields)})")
+            kind = fields[key]
+            if key == "kv_cache_memory_bytes":
+                check: Callable[[Any], Any] = size
+            elif key == "weights":
+                check = choice(WEIGHT_FORMATS)
+            elif "bool" in kind:
+                check = boolean
+            elif "int" in kind:
+                check = integer(1)
+            else:
+                check = text
+            values[key] = t.get(key, check)
+        try:
+            return EngineConfig(**values)
+        except ValueError as exc:
+            raise ConfigError(f"{self.source}: {t.path}: {exc}") from None
+
+    def server_options(self, t: Table | None) -> dict[str, Any]:
+        if t is None:
+            return {}
+        checks: dict[str, Callable[[Any], Any]] = {
+            "chat_template": text, "allow_request_chat_template": boolean,
+            "reasoning_parser": choice(("think",)), "tool_call_parser": choice(("hermes",)),
+            "max_queued_requests": integer(0), "request_timeout": positive,
+            "default_max_tokens": integer(1), "salt_cache_by_api_key": boolean,
+            "enable_fault_injection": boolean, "max_n": integer(1)}
+        out = {key: t.get(key, check) for key, check in checks.items() if key in t.data}
+        t.known.extend(checks)
+        t.done()
+        if "chat_template" in out:
+            out["chat_template"] = Path(out["chat_template"])
+        return out
+
+    def route(self, name: str, parent: Table, backends: dict[str, BackendSpec]) -> RouteSpec:
+        t = parent.table(name)
+        policy = t.get("policy", choice(POLICIES), "least_outstanding")
+        listed = t.get("backends", names, None)
+        pools_data = t.get("pools", tables, None)
+        if (listed is None) == (pools_data is None):
+            raise t.fail("backends", "give either `backends` (one pool) or `pools`")
+        if listed is not None:
+            self.known(t, "backends", listed, backends)
+            pools = (PoolSpec(name, listed, 1.0, policy),)
+        else:
+            pools = tuple(self.pool(t, i, item, policy, backends)
+                          for i, item in enumerate(pools_data))
+            seen: set[str] = set()
+            for pool in pools:
+                if pool.name in seen:
+                    raise t.fail("pools", f"two pools are named {pool.name!r}")
+                seen.add(pool.name)
+        fallbacks = t.get("fallbacks", names, ())
+        self.known(t, "fallbacks", fallbacks, backends)
+        route = RouteSpec(
+            name=name, pools=pools, aliases=t.get("aliases", names, ()), fallbacks=fallbacks,
+            sticky=t.get("sticky", sticky, ()),
+            max_attempts=t.get("max_attempts", integer(1), 3),
+            first_token_timeout_s=t.get("first_token_timeout_s", positive, None),
+            prefix_chars=t.get("prefix_chars", integer(1), 256),
+            load_factor=t.get("load_factor", at_least_one, 1.25))
+        t.done()
+        return route
+
+    def pool(self, route: Table, index: int, data: Any, policy: str,
+             backends: dict[str, BackendSpec]) -> PoolSpec:
+        t = Table(data, f"{route.key('pools')}[{index}]", self.source)
+        listed = t.get("backends", names)
+        self.known(t, "backends", listed, backends)
+        pool = PoolSpec(name=t.get("name", text, f"pool{index}"), backends=listed,
+                        weight=t.get("weight", positive, 1.0),
+                        policy=t.get("policy", choice(POLICIES), policy))
+        t.done()
+        return pool
+
+    @staticmethod
+    def known(t: Table, key: str, names: tuple[str, ...],
+              backends: dict[str, BackendSpec]) -> None:
+        if key == "backends" and not names:
+            raise t.fail(key, "list at least one backend")
+        for i, item in enumerate(names):
+            if item not in backends:
+                raise t.fail(f"{key}[{i}]", f"no backend named {item!r} (backends: "
+                             f"{', '.join(backends)})")
+        if len(set(names)) != len(names):
+            raise t.fail(key, "a backend is listed twice")
+
+    def check_names(self, config: GatewayConfig) -> None:
+        seen: dict[str, str] = {}
+        for route in config.models.values():
+            for i, name in enumerate((route.name, *route.aliases)):
+                key = f"models.{route.name}" + ("" if i == 0 else f".aliases[{i - 1}]")
+                if name in seen:
+                    raise ConfigError(f"{self.source}: {key}: {name!r} is already "
+                                      f"{seen[name]}")
+                seen[name] = f"a name of models.{route.name}"
