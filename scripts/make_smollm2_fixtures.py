@@ -38,6 +38,9 @@ difference is the difference of their logits):
         stop_type: 'eos' or 'limit'
         steps_top_ids, steps_top_logprobs: [len(completion_ids)][top_n], the candidates of the
             step that chose completion_ids[i], best first
+        steps_probed: the steps whose token leaves a character unfinished: llama-server
+            reports no candidates for those, so they come from a second request on the
+            prompt and the completion so far (`probe`), evaluated as one prompt
 """
 from __future__ import annotations
 
@@ -64,6 +67,8 @@ N_THREADS = 2
 MAX_NEW_TOKENS = 48
 TOP_N = 5
 STARTUP_TIMEOUT_S = 300
+NORMAL_TOKEN = 1
+PROBE_BANS = 32
 
 TEXTS: dict[str, str] = {
     "english": "The quick brown fox jumps over the lazy dog. It's what they'd've done, isn't it?",
@@ -162,16 +167,81 @@ def record_text(client: httpx.Client, name: str, text: str, parse_special: bool)
             "detokenized": detokenized}
 
 
-def record_prompt(client: httpx.Client, name: str, text: str) -> dict:
+def token_pieces(model: Path) -> list[bytes]:
+    """The bytes each token adds to llama-server's generated text (special tokens: none)."""
+    from gguf import GGUFReader
+
+    from lifeline.tokenizer.bpe import byte_decoder
+
+    reader = GGUFReader(str(model))
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    decoder = byte_decoder()
+    return [bytes(decoder[ch] for ch in text) if kind == NORMAL_TOKEN else b""
+            for text, kind in zip(tokens, types, strict=True)]
+
+
+def ends_complete(text: bytes) -> bool:
+    """llama-server's `validate_utf8` test: no multi-byte character cut off at the end."""
+    for back in range(1, min(4, len(text)) + 1):
+        byte = text[-back]
+        for mask, lead, needs in ((0xE0, 0xC0, 2), (0xF0, 0xE0, 3), (0xF8, 0xF0, 4)):
+            if byte & mask == lead and back < needs:
+                return False
+    return True
+
+
+def candidates_by_step(name: str, completion: list[int], steps: list[dict],
+                       pieces: list[bytes]) -> list[dict | None]:
+    """llama-server reports candidates only for tokens after which its text is whole UTF-8 (a
+    token that leaves a character unfinished gets none): each step's candidates, or None
+    (`probe` fills those in)."""
+    text, kept = b"", []
+    for i, token in enumerate(completion):
+        text += pieces[token]
+        if ends_complete(text):
+            kept.append(i)
+    if [completion[i] for i in kept] != [step["id"] for step in steps]:
+        raise ValueError(f"{name}: cannot place the candidates of {len(steps)} steps")
+    by_step: list[dict | None] = [None] * len(completion)
+    for i, step in zip(kept, steps):
+        by_step[i] = step
+    return by_step
+
+
+def probe(client: httpx.Client, name: str, context: list[int], expected: int) -> dict:
+    """The candidates after `context` where greedy picks `expected`, a token that leaves a
+    character unfinished: one token is generated with `expected` (and each next pick that also
+    leaves one unfinished) banned through logit_bias, so that the step is reported. The
+    candidates are the raw logits' (llama-server applies the bias when it samples, after it
+    reads them), so `expected` heads them."""
+    banned: list[int] = []
+    for _ in range(PROBE_BANS):
+        out = post(client, "/completion", {
+            "prompt": context, "n_predict": 1, "temperature": 0, "samplers": ["temperature"],
+            "n_probs": TOP_N, "cache_prompt": False, "return_tokens": True,
+            "logit_bias": [[token, False] for token in banned]})
+        if out.get("completion_probabilities"):
+            step = out["completion_probabilities"][0]
+            if step["top_logprobs"][0]["id"] != expected:
+                raise ValueError(f"{name}: a probe after {len(context)} tokens heads with "
+                                 f"{step['top_logprobs'][0]['id']}, not {expected}")
+            return step
+        banned += out["tokens"]
+    raise ValueError(f"{name}: no reportable token after {len(context)} tokens")
+
+
+def record_prompt(client: httpx.Client, name: str, text: str, pieces: list[bytes]) -> dict:
     prompt_ids = tokenize(client, text)
     out = post(client, "/completion", {
         "prompt": prompt_ids, "n_predict": MAX_NEW_TOKENS, "temperature": 0,
         "samplers": ["temperature"], "n_probs": TOP_N, "cache_prompt": False,
         "return_tokens": True})
-    steps = out["completion_probabilities"]
-    completion = [step["id"] for step in steps]
-    if completion != out["tokens"][:len(completion)]:
-        raise ValueError(f"{name}: probabilities for {completion}, tokens {out['tokens']}")
+    completion = out["tokens"]
+    steps = candidates_by_step(name, completion, out["completion_probabilities"], pieces)
+    probed = [i for i, step in enumerate(steps) if step is None]
+    for i in probed:
+        steps[i] = probe(client, name, prompt_ids + completion[:i], completion[i])
     return {
         "name": name,
         "text": text,
@@ -182,6 +252,7 @@ def record_prompt(client: httpx.Client, name: str, text: str) -> dict:
         "steps_top_ids": [[c["id"] for c in step["top_logprobs"]] for step in steps],
         "steps_top_logprobs": [[round(c["logprob"], 4) for c in step["top_logprobs"]]
                                for step in steps],
+        "steps_probed": probed,
     }
 
 
@@ -194,12 +265,14 @@ def sha256(path: Path) -> str:
 
 
 def to_json(fixture: dict) -> str:
-    """Indented JSON with each innermost list of numbers on one line."""
+    """Indented JSON with each innermost list of numbers on one line. Such a list spans lines
+    once indented, and a JSON string holds no raw newline: text that looks like a list inside a
+    string (a prompt's '[1, 2.5e-3]') is left alone."""
     text = json.dumps(fixture, ensure_ascii=False, indent=1)
-    return re.sub(r"\[[^\[\]{}\"]*\]", lambda m: json.dumps(json.loads(m.group(0))), text) + "\n"
+    return re.sub(r"\[\n[^\[\]{}\"]*\]", lambda m: json.dumps(json.loads(m.group(0))), text) + "\n"
 
 
-def record(client: httpx.Client) -> dict:
+def record(client: httpx.Client, pieces: list[bytes]) -> dict:
     tokenizer = [record_text(client, name, text, True) for name, text in TEXTS.items()]
     tokenizer += [record_text(client, name, TEXTS[name], False) for name in UNPARSED]
     chats = [{"name": name, "messages": messages,
@@ -208,7 +281,7 @@ def record(client: httpx.Client) -> dict:
     texts = {**PROMPTS, **{c["name"]: c["prompt"] for c in chats}, "long_essay": long_essay()}
     prompts = []
     for name, text in texts.items():
-        prompts.append(record_prompt(client, name, text))
+        prompts.append(record_prompt(client, name, text, pieces))
         print(f"{name}: {len(prompts[-1]['prompt_ids'])} prompt tokens -> "
               f"{prompts[-1]['completion_text']!r}", file=sys.stderr)
     return {"tokenizer": tokenizer, "chats": chats, "prompts": prompts}
@@ -224,6 +297,7 @@ def main() -> None:
         from lifeline.model.default import smollm2_model_path
 
         args.model = smollm2_model_path()
+    pieces = token_pieces(args.model)
     port = free_port()
     log = tempfile.TemporaryFile("w+")
     proc, server_args = start_server(args.llama_server, args.model, port, log)
@@ -231,7 +305,7 @@ def main() -> None:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=600) as client:
             wait_ready(client, proc, log)
             build = client.get("/props").json().get("build_info")
-            recorded = record(client)
+            recorded = record(client, pieces)
     finally:
         proc.terminate()
         try:
