@@ -85,6 +85,7 @@ TEXTS: dict[str, str] = {
     "accents_and_marks": "Café naïve résumé — Ångström, Straße, e\u0301 (combining), Ελληνικά, русский.",
     "specials_spelled": "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n",
     "special_lookalikes": "<|im_start|> vs <|im_start| and <|endoftext|><repo_name>x<file_sep>",
+    "no_byte_token": "/\x16/ a\x04b \x1d\x1d",
     "empty": "",
 }
 UNPARSED = ("specials_spelled", "special_lookalikes")

