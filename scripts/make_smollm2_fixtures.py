@@ -79,10 +79,12 @@ TEXTS: dict[str, str] = {
     "chinese": "北京是中国的首都，也是一座历史悠久的文化名城。我们今天去了故宫和长城！",
     "japanese_korean": "東京タワーは高い。한국어 문장도 섞어 봅니다.",
     "emoji": "Party time 🎉🎉 with family 👨‍👩‍👧‍👦, thumbs 👍🏽 and flags 🇫🇷🇯🇵!",
-    "whitespace": "  two leading,\ttab\t\tand   three spaces  \n\n\nnewlines \r\n crlf   \u00a0nbsp\u3000ideo  ",
+    "whitespace": ("  two leading,\ttab\t\tand   three spaces  \n\n\nnewlines \r\n crlf   "
+                   "\u00a0nbsp\u3000ideo  "),
     "trailing_spaces": "ends with spaces   ",
     "numbers": "Pi is 3.14159, 1,000,000 people in 2024; call +1-800-555-0199 at 08:30. ١٢٣ ⅷ ²",
-    "accents_and_marks": "Café naïve résumé — Ångström, Straße, e\u0301 (combining), Ελληνικά, русский.",
+    "accents_and_marks": ("Café naïve résumé — Ångström, Straße, e\u0301 (combining), "
+                          "Ελληνικά, русский."),
     "specials_spelled": "<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n",
     "special_lookalikes": "<|im_start|> vs <|im_start| and <|endoftext|><repo_name>x<file_sep>",
     "no_byte_token": "/\x16/ a\x04b \x1d\x1d",
@@ -92,7 +94,8 @@ UNPARSED = ("specials_spelled", "special_lookalikes")
 """Texts also tokenized with parse_special off (specials as plain text)."""
 
 PROMPTS: dict[str, str] = {
-    "facts": "The capital of France is Paris. The capital of Japan is Tokyo. The capital of Italy is",
+    "facts": ("The capital of France is Paris. The capital of Japan is Tokyo. The capital of "
+              "Italy is"),
     "story": "Once upon a time, in a small village at the edge of a great forest, there lived",
     "code": 'def fibonacci(n: int) -> int:\n    """Return the n-th Fibonacci number."""\n',
     "chinese": "北京是中国的首都，也是一座历史悠久的文化名城。",

@@ -29,7 +29,7 @@ def compare(llm: LLM, reference, prompt: dict, n: int) -> str:
     part = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
     if part is None:
         return f"{prompt['name']:24} all {len(ours)} tokens agree"
-    logits = reference_logits(reference, prompt["prompt_ids"] + ours[:part + 1], 1)[-1]
+    logits = reference_logits(reference, prompt["prompt_ids"] + ours[:part], 1)[-1]
     ref_pref = float(logits[ours[part]] - logits[theirs[part]])
     top, logprobs = prompt["steps_top_ids"][part], prompt["steps_top_logprobs"][part]
     rank = top.index(ours[part]) if ours[part] in top else None

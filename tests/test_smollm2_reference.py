@@ -38,7 +38,8 @@ LOGIT_ATOL = 2e-3
 PIECES = ["the", " The", " quick", "I'm", "'s", "'LL", " 42", "3.14", "١٢٣", "²", " ", "  ", "\t",
           "\n", "\n\n", "\r\n", "\u00a0", "\u3000", "北京", "的", "東京タワー", "한국어", "😀", "👍🏽",
           "👨‍👩‍👧", "é", "e\u0301", "Straße", "ελληνικά", "{\"k\": [1]}", "->", "...", "$", "#!",
-          "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start|", "<file_sep>", "\x00", "\ufffd"]
+          "<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_start|", "<file_sep>", "\x00",
+          "\ufffd"]
 """Text pieces whose joins the property test draws: letters, numbers, whitespace runs, scripts,
 emoji sequences, combining marks, contractions, special tokens and near misses."""
 NO_TOKEN_BYTES = "\x04\x06\x13\x14\x16\x1d"

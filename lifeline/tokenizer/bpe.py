@@ -177,7 +177,8 @@ class ByteLevelBPE:
                 ids.append(token_id)
                 continue
             # llama.cpp looks each byte of the symbol's text up alone; only ASCII can match
-            ids += [t for b in sym.encode() if b < 0x80 and (t := self._ids.get(chr(b))) is not None]
+            ids += [t for b in sym.encode()
+                    if b < 0x80 and (t := self._ids.get(chr(b))) is not None]
         return tuple(ids)
 
 

@@ -1,5 +1,6 @@
-"""The tokenizer a GGUF file carries, as llama.cpp runs `tokenizer.ggml.*`: SentencePiece-BPE over
-scores (tokenizer model 'llama') or byte-level BPE over ranked merges ('gpt2', lifeline.tokenizer.bpe)."""
+"""The tokenizer a GGUF file carries, as llama.cpp runs `tokenizer.ggml.*`: SentencePiece-BPE
+over scores (tokenizer model 'llama') or byte-level BPE over ranked merges ('gpt2',
+lifeline.tokenizer.bpe)."""
 from __future__ import annotations
 
 import os
