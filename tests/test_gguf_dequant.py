@@ -1,5 +1,5 @@
-"""Our torch dequantization against gguf-py's numpy reference, on the real model and on small
-files written here for the types the model does not use."""
+"""Our torch dequantization against gguf-py's numpy reference, on the real models (Gemma 3 270M,
+SmolLM2-135M-Instruct) and on small files written here for the types they do not use."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,10 +12,12 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 
+from lifeline.model.default import smollm2_model_path
 from lifeline.model.gguf_file import GGUFFile, UnsupportedTensorType
 
 MODEL_TYPES = [T.F32, T.Q5_0, T.Q4_K, T.Q8_0, T.Q6_K]
-QUANTIZABLE = [T.F16, T.BF16, T.Q4_0, T.Q5_0, T.Q8_0]
+SMOLLM2_TYPES = [T.F32, T.Q4_1, T.Q8_0]
+QUANTIZABLE = [T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0]
 RANDOM_BLOCKS = {T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
 SHAPE = (3, 5, 512)
 
@@ -42,6 +44,25 @@ def test_model_tensor_matches_gguf_reference(model: GGUFFile, qtype: T):
     names = [n for n in model.tensor_names if model.tensor_type(n) == qtype]
     smallest = min(names, key=lambda n: model.raw(n)[0].nbytes)
     assert_matches_reference(model, smallest)
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> GGUFFile:
+    return GGUFFile(smollm2_model_path())
+
+
+@pytest.mark.parametrize("qtype", SMOLLM2_TYPES, ids=lambda q: q.name)
+def test_smollm2_tensor_matches_gguf_reference(smollm2: GGUFFile, qtype: T):
+    names = [n for n in smollm2.tensor_names if smollm2.tensor_type(n) == qtype]
+    smallest = min(names, key=lambda n: smollm2.raw(n)[0].nbytes)
+    assert_matches_reference(smollm2, smallest)
+
+
+def test_smollm2_q4_1_projection_matches_gguf_reference(smollm2: GGUFFile):
+    """A whole Q4_1 matrix: 1536 x 576, 27,648 blocks, each with its own scale and minimum."""
+    assert smollm2.tensor_type("blk.29.ffn_down.weight") == T.Q4_1
+    assert smollm2.tensor_shape("blk.29.ffn_down.weight") == (576, 1536)
+    assert_matches_reference(smollm2, "blk.29.ffn_down.weight")
 
 
 def test_model_metadata_is_plain_python(model: GGUFFile):

@@ -47,6 +47,12 @@ def _q4_0(b: torch.Tensor) -> torch.Tensor:
     return q.mul_(_f16(b, 0))
 
 
+def _q4_1(b: torch.Tensor) -> torch.Tensor:
+    """d * q + m: an fp16 scale and an fp16 minimum, then 32 unsigned nibbles."""
+    q = _nibbles(b[:, 4:]).reshape(-1, 32).float()
+    return q.mul_(_f16(b, 0)).add_(_f16(b, 2))
+
+
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
     high = _bits(b[:, 2:6], 8).transpose(1, 2).reshape(-1, 32)
     q = (_nibbles(b[:, 6:]).reshape(-1, 32) | (high << 4)).float().sub_(16)
@@ -92,6 +98,7 @@ def _q6_k(b: torch.Tensor) -> torch.Tensor:
 
 BLOCK_KERNELS: dict[T, Callable[[torch.Tensor], torch.Tensor]] = {
     T.Q4_0: _q4_0,
+    T.Q4_1: _q4_1,
     T.Q5_0: _q5_0,
     T.Q8_0: _q8_0,
     T.Q4_K: _q4_k,

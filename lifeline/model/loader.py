@@ -12,7 +12,7 @@ from torch import nn
 
 from lifeline.model import registry
 from lifeline.model.config import ModelConfig, config_from_gguf, config_from_hf
-from lifeline.model.default import default_model_path
+from lifeline.model.default import default_model_path, named_model_path
 from lifeline.model.gguf_file import GGUFFile
 from lifeline.model.presets import preset_config
 from lifeline.model.registry import build_model
@@ -170,11 +170,14 @@ def load_preset(name: str, seed: int = 0) -> LoadedModel:
 
 
 def load_model(path: str | Path | None = None, dummy: bool = False) -> LoadedModel:
-    """A GGUF file, a Hugging Face directory, or `preset:NAME` (random weights)."""
+    """A GGUF file, a Hugging Face directory, `preset:NAME` (random weights), or a model's name
+    (lifeline.model.default.NAMED_MODELS: `gemma-3-270m`, `smollm2-135m-instruct`)."""
     if isinstance(path, str) and path.startswith("preset:"):
         return load_preset(path.removeprefix("preset:"))
     if path is None:
         path = default_model_path()
+    elif isinstance(path, str) and not Path(path).exists():
+        path = named_model_path(path) or path
     path = Path(path)
     if path.is_dir():
         return load_hf(path, dummy)

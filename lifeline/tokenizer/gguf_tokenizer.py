@@ -1,23 +1,27 @@
-"""The tokenizer a GGUF file carries: llama.cpp's SentencePiece-BPE over `tokenizer.ggml.*`."""
+"""The tokenizer a GGUF file carries, as llama.cpp runs `tokenizer.ggml.*`: SentencePiece-BPE
+over scores (tokenizer model 'llama') or byte-level BPE over ranked merges ('gpt2',
+lifeline.tokenizer.bpe)."""
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from lifeline.tokenizer.base import Tokenizer
+from lifeline.tokenizer.bpe import ByteLevelBPE, byte_decoder, decode_token_text
 from lifeline.tokenizer.specials import SpecialSplitter, has_placeholders, unescape
 from lifeline.tokenizer.spm import spm_merge
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 END_OF_TURN_TEXTS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|endoftext|>", "<|eom_id|>")
 SPACE = "\u2581"
+MODELS = ("llama", "gpt2")
 
 
 @dataclass(slots=True)
 class GGUFVocab:
-    """What a GGUF file says about its tokenizer (defaults as llama.cpp's for an SPM vocabulary)."""
+    """What a GGUF file says about its tokenizer (defaults as llama.cpp's for its `model`)."""
 
     tokens: list[str]
     scores: list[float]
@@ -29,8 +33,17 @@ class GGUFVocab:
     add_bos: bool = True
     add_eos: bool = False
     add_space_prefix: bool = True
+    model: str = "llama"
+    """'llama' (SentencePiece-BPE) or 'gpt2' (byte-level BPE)."""
+    pre: str | None = None
+    """The pre-tokenizer of a 'gpt2' vocabulary (`tokenizer.ggml.pre`)."""
+    merges: list[str] = field(default_factory=list)
+    """A 'gpt2' vocabulary's merges, 'LEFT RIGHT', by rank."""
 
     def __post_init__(self):
+        if self.model not in MODELS:
+            raise NotImplementedError(f"GGUF tokenizer model {self.model!r}: only "
+                                      f"{', '.join(map(repr, MODELS))}")
         n = len(self.tokens)
         if not self.scores:
             self.scores = [0.0] * n
@@ -54,14 +67,14 @@ class GGUFVocab:
             return default if field is None else field.contents()
 
         model = get("model", "llama")
-        if model != "llama":
-            raise NotImplementedError(f"GGUF tokenizer model {model!r}: only 'llama' (SPM)")
+        spm = model == "llama"  # llama.cpp's defaults differ: SPM adds a BOS and a space
         return cls(
             tokens=get("tokens"), scores=get("scores", []), token_types=get("token_type", []),
             bos_token_id=get("bos_token_id"), eos_token_id=get("eos_token_id"),
             unk_token_id=get("unknown_token_id"), pad_token_id=get("padding_token_id"),
-            add_bos=bool(get("add_bos_token", True)), add_eos=bool(get("add_eos_token", False)),
-            add_space_prefix=bool(get("add_space_prefix", True)),
+            add_bos=bool(get("add_bos_token", spm)), add_eos=bool(get("add_eos_token", False)),
+            add_space_prefix=bool(get("add_space_prefix", spm)), model=model,
+            pre=get("pre"), merges=get("merges", []) if model == "gpt2" else [],
         )
 
 
@@ -77,8 +90,11 @@ class GGUFTokenizer(Tokenizer):
         self.vocab_size = len(vocab.tokens)
         self._ids = {text: i for i, text in enumerate(vocab.tokens)}
         self._neg_scores = [-s for s in vocab.scores]
+        self._bpe = (ByteLevelBPE(self._ids, vocab.merges, vocab.pre or "default")
+                     if vocab.model == "gpt2" else None)
+        normal = _bpe_normal_bytes() if self._bpe else _spm_normal_bytes
         pairs = zip(vocab.tokens, vocab.token_types, strict=True)
-        self._bytes = [_token_bytes(text, kind) for text, kind in pairs]
+        self._bytes = [_token_bytes(text, kind, normal) for text, kind in pairs]
         self._byte_ids = [self._byte_id(b) for b in range(256)]
         types = vocab.token_types
         self.special_token_ids = frozenset(i for i, k in enumerate(types)
@@ -144,7 +160,8 @@ class GGUFTokenizer(Tokenizer):
                 continue
             if self.vocab.add_space_prefix and prev_special:
                 piece = " " + piece
-            ids += self._encode_raw(piece.replace(" ", SPACE))
+            ids += self._bpe.encode(piece) if self._bpe else self._encode_raw(
+                piece.replace(" ", SPACE))
             prev_special = False
         if add_special_tokens and self.vocab.add_eos and self.eos_token_id is not None:
             ids.append(self.eos_token_id)
@@ -185,9 +202,18 @@ class GGUFTokenizer(Tokenizer):
         return self.vocab.token_types[token_id]
 
 
-def _token_bytes(text: str, token_type: int) -> bytes:
+def _spm_normal_bytes(text: str) -> bytes:
+    return text.replace(SPACE, " ").encode()
+
+
+def _bpe_normal_bytes() -> Callable[[str], bytes]:
+    decoder = byte_decoder()
+    return lambda text: decode_token_text(text, decoder)
+
+
+def _token_bytes(text: str, token_type: int, normal: Callable[[str], bytes]) -> bytes:
     if token_type == NORMAL:
-        return text.replace(SPACE, " ").encode()
+        return normal(text)
     if token_type == BYTE:
         return bytes([int(text[3:5], 16)])
     if token_type in (UNKNOWN, CONTROL, USER_DEFINED):

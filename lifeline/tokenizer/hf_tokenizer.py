@@ -12,6 +12,7 @@ from tokenizers import Encoding
 from tokenizers import Tokenizer as BackendTokenizer
 
 from lifeline.tokenizer.base import Tokenizer
+from lifeline.tokenizer.bpe import byte_decoder
 from lifeline.tokenizer.gguf_tokenizer import END_OF_TURN_TEXTS, SPACE
 from lifeline.tokenizer.specials import SpecialSplitter, has_placeholders, unescape
 
@@ -49,7 +50,7 @@ class HFTokenizer(Tokenizer):
         turn_ids = [i for t in END_OF_TURN_TEXTS if (i := self._tk.token_to_id(t)) is not None]
         self.eos_token_ids = frozenset(eos_ids + turn_ids)
         self._byte_level = "ByteLevel" in json.dumps(json.loads(self._tk.to_str()).get("decoder"))
-        self._byte_decoder = {ch: b for b, ch in _bytes_to_unicode().items()}
+        self._byte_decoder = byte_decoder()
 
     def _special_id(self, token: Any, fallback: Any) -> int | None:
         if isinstance(token, dict):
@@ -113,17 +114,3 @@ def _id_list(value: Any) -> list[int]:
     if isinstance(value, int):
         return [value]
     return [v for v in value if isinstance(v, int)] if isinstance(value, list) else []
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's printable spelling of each byte, as byte-level BPE vocabularies store them."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
-    spelling, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            spelling[b] = chr(b)
-        else:
-            spelling[b] = chr(256 + extra)
-            extra += 1
-    return spelling
