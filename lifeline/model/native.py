@@ -12,6 +12,8 @@ the two to the same results)."""
 from __future__ import annotations
 
 import functools
+import hashlib
+import os
 import subprocess
 import sys
 import threading
@@ -24,14 +26,36 @@ SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "cpu_ops.cpp"
 _lock = threading.Lock()
 
 
-NAME = "lifeline_cpu_ops"
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
 _BUILD = f"""
 import sys
 from torch.utils import cpp_extension
-cpp_extension.load({NAME!r}, [sys.argv[1]], extra_cflags={FLAGS!r}, is_python_module=False)
-print(cpp_extension._get_build_directory({NAME!r}, False))
+name, source = sys.argv[1:]
+cpp_extension.load(name, [source], extra_cflags={FLAGS!r}, is_python_module=False)
+print(cpp_extension._get_build_directory(name, False))
 """
+
+
+def _staged_source() -> tuple[str, Path]:
+    """The library's name and a copy of its source, both keyed by the source's content.
+
+    PyTorch keeps one build directory per name and rebuilds when the source's path changes, so
+    two checkouts of Lifeline (worktrees, a CI clone beside a dev tree) that built from their own
+    paths would rebuild each other's library on every switch, and two building at once would
+    share one directory. A content-keyed name and path give each version of the source its own
+    build, shared by every checkout that has it."""
+    text = SOURCE.read_bytes()
+    digest = hashlib.sha256(text + repr(FLAGS).encode()).hexdigest()[:12]
+    name = f"lifeline_cpu_ops_{digest}"
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR")
+                or Path.home() / ".cache" / "torch_extensions") / "lifeline_sources"
+    root.mkdir(parents=True, exist_ok=True)
+    staged = root / f"{name}.cpp"
+    if not staged.exists() or staged.read_bytes() != text:
+        partial = staged.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_bytes(text)
+        partial.replace(staged)  # atomic: a concurrent builder never reads half a file
+    return name, staged
 
 
 @functools.cache
@@ -45,9 +69,10 @@ def native_ops() -> bool:
     (docs/performance.md; loading the built library alone changes nothing)."""
     with _lock:
         try:
-            built = subprocess.run([sys.executable, "-c", _BUILD, str(SOURCE)], check=True,
-                                   capture_output=True, text=True, timeout=600)
-            library = Path(built.stdout.strip().splitlines()[-1]) / f"{NAME}.so"
+            name, source = _staged_source()
+            built = subprocess.run([sys.executable, "-c", _BUILD, name, str(source)],
+                                   check=True, capture_output=True, text=True, timeout=600)
+            library = Path(built.stdout.strip().splitlines()[-1]) / f"{name}.so"
             torch.ops.load_library(str(library))
         except (RuntimeError, OSError, IndexError, subprocess.SubprocessError) as exc:
             # no compiler, no headers, no ninja
