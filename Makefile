@@ -2,6 +2,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 SERVE_ARGS ?=
+# Both models from PyPI behind one server (SERVE_CONFIG= for the single-model server of
+# SERVE_ARGS alone).
+SERVE_CONFIG ?= configs/serve.toml
 
 .PHONY: install test serve clean
 
@@ -42,7 +45,7 @@ test: install
 	test $$first -eq 0 -a $$second -eq 0 -a $$alone -eq 0
 
 serve: install
-	$(VENV)/bin/lifeline serve $(SERVE_ARGS)
+	$(VENV)/bin/lifeline serve $(if $(SERVE_CONFIG),--config $(SERVE_CONFIG)) $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

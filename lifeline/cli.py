@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -138,6 +139,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         "limit; docs/reliability.md)")
     p.add_argument("--default-max-tokens", type=int, default=2048,
                    help="max_tokens of a request that sends none (clamped to the context left)")
+    p.add_argument("--sampling-defaults", type=_json_object, default={}, metavar="JSON",
+                   help="sampling fields of a request that sends none, e.g. "
+                        "'{\"temperature\": 0.2, \"top_p\": 0.9}' (vLLM takes these from "
+                        "generation_config.json)")
     p.add_argument("--salt-cache-by-api-key", action="store_true",
                    help="salt every request's prefix cache by its API key: tenants never share "
                         "cached blocks")
@@ -265,11 +270,21 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
         max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
         otlp_endpoint=args.otlp_endpoint, request_timeout=args.request_timeout or None,
-        default_max_tokens=args.default_max_tokens,
+        default_max_tokens=args.default_max_tokens, sampling_defaults=args.sampling_defaults,
         salt_cache_by_api_key=args.salt_cache_by_api_key,
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
         enable_fault_injection=args.enable_fault_injection, engine=engine)
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("expected a JSON object")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,6 +5,7 @@ killed mid-stream and mid-queue); small real HTTP servers (`tests/upstreams.py`)
 only the router's choices matter (fallback chains, circuit breakers, health checks, the canary
 split over 1,000 requests, balancing decisions, captured llama.cpp and vLLM streams)."""
 import concurrent.futures as cf
+import dataclasses
 import json
 import logging
 import os
@@ -23,12 +24,13 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lifeline.bench.stages import normalize
-from lifeline.gateway.config import ConfigError, parse_config
+from lifeline.gateway.config import ConfigError, load_config, parse_config
 from lifeline.gateway.testing import GatewayThread
 from lifeline.server.testing import free_port
 from tests.upstreams import Stalled, Upstream
 
 MODEL = "gemma-3-270m"
+REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).parent / "fixtures" / "peer_streams"
 SERVE = [sys.executable, "-m", "lifeline.cli", "serve", "--no-compile", "--no-huge-pages",
          "--weights", "fp32", "--kv-cache-memory-bytes", "128MiB", "--default-max-tokens", "16"]
@@ -181,6 +183,9 @@ BAD_CONFIGS = [
      ".yml", "models.m.policy: expected one of least_outstanding"),
     ("backends: [a\n", ".yaml", "not valid YAML"),
     ("[server]\nport = 8000\n", ".toml", "backends: required"),
+    ('[backends.l]\n[backends.l.server]\nsampling_defaults = { seed = 1 }\n[models.m]\n'
+     'backends = ["l"]\n', ".toml", "backends.l.server.sampling_defaults: sampling_defaults: "
+     "unknown field 'seed'"),
 ]
 
 
@@ -190,6 +195,41 @@ def test_a_bad_config_is_refused_with_the_key_at_fault(text, suffix, message):
         parse_config(text, suffix, "gw" + suffix)
     assert message in str(info.value)
     assert str(info.value).startswith(f"gw{suffix}: ")
+
+
+def test_make_serve_answers_chat_with_smollm2_and_lists_both_models(default_model):
+    """`make serve` runs configs/serve.toml: both PyPI models, SmolLM2-135M-Instruct the one a
+    request that names no model gets, with its model card's sampling; uncompiled here only to
+    save the test its compile time."""
+    config = load_config(REPO / "configs" / "serve.toml")
+    assert config.default_model == "smollm2-135m-instruct"
+    for spec in config.backends.values():
+        object.__setattr__(spec, "engine", dataclasses.replace(
+            spec.engine, compile=False, kv_cache_memory_bytes=64 << 20))
+    with GatewayThread(config, {"gemma": default_model}) as gw:
+        _wait_for(lambda: _ok(gw.base_url + "/ready"), 300, "both models")
+        client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="none", max_retries=0)
+        assert {"smollm2-135m-instruct", "gemma-3-270m"} <= {m.id for m in client.models.list()}
+        answer = client.chat.completions.create(
+            model="smollm2-135m-instruct", max_tokens=24, seed=0,
+            messages=[{"role": "user", "content": "What is the capital of France?"}])
+        assert "Paris" in answer.choices[0].message.content
+        # /tokenize and /detokenize go to the model named: two tokenizers, two answers
+        said = {}
+        for model in ("smollm2", "gemma-3-270m"):
+            ids = httpx.post(gw.base_url + "/tokenize", timeout=60, json={
+                "model": model, "prompt": "Hello world", "add_special_tokens": False}).json()
+            said[model] = ids["tokens"]
+            back = httpx.post(gw.base_url + "/detokenize", timeout=60,
+                              json={"model": model, "tokens": ids["tokens"]})
+            assert back.json()["prompt"] == "Hello world"
+        assert said["smollm2"] != said["gemma-3-270m"]
+        missing = httpx.post(gw.base_url + "/tokenize", json={"model": "nope", "prompt": "x"})
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "model_not_found"
+        unnamed = httpx.post(gw.base_url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4})
+        assert unnamed.json()["model"] == "smollm2-135m-instruct"
 
 
 def test_serve_with_a_bad_config_or_a_stray_flag_exits_2_and_says_why(tmp_path):
@@ -645,6 +685,12 @@ def test_serve_config_serves_its_models_and_aliases_to_the_openai_client(engines
         assert routing["outcome"]["backend_timings_source"] == "lifeline"
         assert routing["outcome"]["backend_ttft_ms"] == timings["backend"]["timings"]["ttft_ms"]
         assert answer.usage.prompt_tokens == reference.usage.prompt_tokens
+        keyed = {"authorization": "Bearer gw-key"}
+        chat_ids = httpx.post(base + "/tokenize", headers=keyed, timeout=60, json={
+            "model": "chat", "messages": _chat()["messages"]}).json()
+        assert chat_ids == httpx.post(a.root + "/tokenize", timeout=60, json={
+            "model": MODEL, "messages": _chat()["messages"]}).json()
+        assert chat_ids["count"] == reference.usage.prompt_tokens
 
         chunks = list(client.chat.completions.create(model="gemma-b", stream=True, **_chat()))
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)

@@ -391,8 +391,10 @@ def test_serve_flags_become_the_server_config():
         "serve", "--model", "/models/qwen3-0.6b.gguf", "--port", "9001", "--api-key", "a",
         "--api-key", "b", "--rate-limit-rpm", "5", "--max-queued-requests", "3",
         "--shutdown-timeout", "7", "--reasoning-parser", "think", "--tool-call-parser", "hermes",
-        "--max-num-seqs", "8", "--no-prefix-caching", "--no-compile"])
+        "--max-num-seqs", "8", "--no-prefix-caching", "--no-compile",
+        "--sampling-defaults", '{"temperature": 0.2, "top_p": 0.9}'])
     config = serve_config(args)
+    assert config.sampling_defaults == {"temperature": 0.2, "top_p": 0.9}
     assert config.served_model_name == "qwen3-0.6b" and config.port == 9001
     assert config.api_keys == ["a", "b"] and config.rate_limit_rpm == 5
     assert config.max_queued_requests == 3 and config.shutdown_timeout == 7
@@ -420,3 +422,23 @@ def test_n_choices_share_their_prompt_through_the_prefix_cache(server, client):
     assert full_blocks >= 2 and len(out.choices) == 4
     assert stats.hits - before >= 3 * full_blocks * 16, "choices 1-3 reuse choice 0's blocks"
     assert out.usage.prompt_tokens_details.cached_tokens == 0, "choice 0 computed the prompt"
+
+
+def test_sampling_defaults_fill_only_the_fields_a_request_leaves_out(loaded):
+    config = ServerConfig(engine=EngineConfig(kv_cache_memory_bytes=64 << 20),
+                          sampling_defaults={"temperature": 0.0})
+    with ServerThread(loaded, config) as srv:
+        client = openai.OpenAI(base_url=srv.base_url + "/v1", api_key="x", max_retries=0)
+
+        def text(**fields) -> str:
+            return client.completions.create(model=MODEL, prompt="Once upon a time",
+                                             max_tokens=16, **fields).choices[0].text
+
+        greedy = text(temperature=0)
+        assert text(seed=1) == text(seed=2) == greedy  # the default: temperature 0
+        # a field the request sends is its own, even at the OpenAI default
+        assert text(temperature=1.0, seed=1) != text(temperature=1.0, seed=2)
+    for bad, where in [({"temperature": 5}, "sampling_defaults.temperature"),
+                       ({"seed": 1}, "unknown field 'seed'")]:
+        with pytest.raises(ValueError, match=where):
+            ServerConfig(sampling_defaults=bad)

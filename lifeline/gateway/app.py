@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from lifeline.gateway.backends import build_backends
+from lifeline.gateway.backends import BackendError, build_backends, close_soon, failure_kind
 from lifeline.gateway.config import GatewayConfig, RouteSpec
 from lifeline.gateway.health import HealthChecker
 from lifeline.gateway.relay import Relay
@@ -27,6 +28,7 @@ from lifeline.server.openai_api import off_loop
 from lifeline.server.state import new_id, short_gil_turns
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+TOKEN_ENDPOINTS = ("/tokenize", "/detokenize")
 
 
 def create_gateway_app(config: GatewayConfig, preloaded: dict[str, Any] | None = None
@@ -62,6 +64,8 @@ def create_gateway_app(config: GatewayConfig, preloaded: dict[str, Any] | None =
 def _add_routes(app: FastAPI, state: GatewayState) -> None:
     for endpoint in ENDPOINTS:
         app.add_api_route(endpoint, _generate_handler(endpoint), methods=["POST"])
+    for endpoint in TOKEN_ENDPOINTS:
+        app.add_api_route(endpoint, _token_handler(endpoint), methods=["POST"])
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -136,10 +140,50 @@ def _generate_handler(endpoint: str) -> Any:
             route, requested if isinstance(requested, str) else None,
             _session(body, request, spec), _prompt_text(body, spec.prefix_chars))
         relay = Relay(state, stamps, new_id("gw"), endpoint, body, route, decision)
-        request.state.accounted = True
         return await _unless_client_leaves(request, relay)
 
     handler.__name__ = endpoint.strip("/").replace("/", "_")
+    return handler
+
+
+def _token_handler(endpoint: str) -> Any:
+    """`/tokenize` and `/detokenize` for the model a request names: every replica of a route
+    serves one model, so the first that can take the request answers, with no split, balancing
+    or decision record; one that fails to connect or answers 5xx/429/503 passes it on."""
+    async def handler(request: Request) -> Response:
+        state: GatewayState = request.app.state.lifeline
+        state.admission.check_open()
+        body = await _parse(request, state)
+        route = state.router.resolve(body.get("model"))
+        state.limiter.admit_request(request.state.key)
+        spec, tried = route.spec, []
+        for name in dict.fromkeys([b for p in spec.pools for b in p.backends]
+                                  + list(spec.fallbacks)):
+            backend = state.backends[name]
+            if not backend.acquire():
+                continue
+            ok: bool | None = None
+            try:
+                sent = json.dumps({**body, "model": backend.model_for(spec.name)}).encode()
+                exchange = await backend.open(endpoint, sent, {}, {})
+                try:
+                    answer = await exchange.aread()
+                finally:
+                    close_soon(exchange)
+                ok = failure_kind(exchange.status) is None
+                if ok:  # the answer, or the client's own 4xx, as the backend gave it
+                    return Response(answer, exchange.status, media_type="application/json")
+                tried.append(f"{name}: HTTP {exchange.status}")
+            except BackendError as exc:
+                ok = False
+                tried.append(f"{name}: {exc.message}")
+            finally:
+                backend.release(ok)
+        raise APIError(503, "no backend of {!r} could answer {}{}".format(
+            spec.name, endpoint, f" ({'; '.join(tried)})" if tried else ""),
+            code="no_backend_available", retry_after=1)
+
+    handler.__name__ = endpoint.strip("/")
     return handler
 
 

@@ -126,7 +126,8 @@ class Backend:
 
     async def open(self, path: str, body: bytes, headers: dict[str, str],
                    marks: dict[str, float]) -> Exchange:
-        """Send one request to `path` (under `/v1`); returns once the status line is in.
+        """Send one request to `path` (`/v1/...`, or the root's `/tokenize` and
+        `/detokenize`); returns once the status line is in.
         `marks` gets `connected` (the connection was made, if a new one was) and `headers`."""
         raise NotImplementedError
 
@@ -166,7 +167,10 @@ class UpstreamBackend(Backend):
             elif event == "connection.connect_tcp.complete":
                 marks["connected"] = time.perf_counter()
 
-        url = self.base + path.removeprefix("/v1")
+        # `/v1/...` lives under base_url; `/tokenize` and `/detokenize` at the server's root,
+        # where vLLM, SGLang, llama-server and Lifeline all serve them
+        url = self.base + path.removeprefix("/v1") if path.startswith("/v1/") else \
+            self.spec.root_url + path
         for fresh in (False, True):
             request = self.http.build_request("POST", url, content=body, headers=headers,
                                               extensions={"trace": trace})

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from lifeline.engine.engine import EngineConfig
+from lifeline.server.protocol import check_sampling_defaults
 from lifeline.gateway.config_values import (
     ConfigError,
     Table,
@@ -25,6 +26,7 @@ from lifeline.gateway.config_values import (
     boolean,
     choice,
     integer,
+    kind_of,
     names,
     non_negative,
     positive,
@@ -33,6 +35,13 @@ from lifeline.gateway.config_values import (
     tables,
     text,
 )
+
+def _sampling_defaults(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a table, got {kind_of(value)}")
+    check_sampling_defaults(value)
+    return dict(value)
+
 
 POLICIES = ("least_outstanding", "power_of_two", "prefix_affinity", "round_robin")
 KINDS = ("local", "upstream")
@@ -282,7 +291,8 @@ class _Builder:
             "reasoning_parser": choice(("think",)), "tool_call_parser": choice(("hermes",)),
             "max_queued_requests": integer(0), "request_timeout": positive,
             "default_max_tokens": integer(1), "salt_cache_by_api_key": boolean,
-            "enable_fault_injection": boolean, "max_n": integer(1)}
+            "enable_fault_injection": boolean, "max_n": integer(1),
+            "sampling_defaults": _sampling_defaults}
         out = {key: t.get(key, check) for key, check in checks.items() if key in t.data}
         t.known.extend(checks)
         t.done()

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lifeline.engine.engine import EngineConfig
+from lifeline.server.protocol import check_sampling_defaults
 
 
 @dataclass(slots=True)
@@ -34,6 +35,10 @@ class ServerConfig:
     queued gets 503 with Retry-After (docs/reliability.md); None: no limit."""
     default_max_tokens: int | None = 2048
     """`max_tokens` of a request that sends none (always clamped to the context left)."""
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
+    """Sampling fields (temperature, top_p, top_k, min_p and the penalties) of a request that
+    sends none: what vLLM takes from a model's generation_config.json. The OpenAI defaults
+    (temperature 1) suit a small instruction model badly."""
     salt_cache_by_api_key: bool = False
     """Mix each request's API key into its prefix-cache salt, so tenants never share blocks."""
     allowed_origins: list[str] = field(default_factory=list)
@@ -56,5 +61,6 @@ class ServerConfig:
             raise ValueError("request_timeout must be positive")
         if self.default_max_tokens is not None and self.default_max_tokens < 1:
             raise ValueError("default_max_tokens must be at least 1")
+        check_sampling_defaults(self.sampling_defaults)
         if any(not key for key in self.api_keys):
             raise ValueError("an API key may not be empty")

@@ -163,7 +163,8 @@ def _make_choices(job: Job) -> None:
     wanted = wanted or state.config.default_max_tokens
     num_logprobs = body.num_logprobs if job.is_chat else body.logprobs
     try:
-        params = body.sampling_params(None, num_logprobs)
+        params = body.with_defaults(body.sampling_params(None, num_logprobs),
+                                    state.config.sampling_defaults)
     except ValueError as exc:
         raise bad_request(str(exc)) from None
     try:

@@ -9,6 +9,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    ValidationError,
     ValidationInfo,
     ValidatorFunctionWrapHandler,
     field_validator,
@@ -165,6 +166,15 @@ class _SamplingBody(_Body):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def with_defaults(self, params: SamplingParams,
+                      defaults: dict[str, float]) -> SamplingParams:
+        """`params` with the server's sampling defaults for the fields this request left out
+        (a field it sent, even at the OpenAI default, is its own)."""
+        unset = {k: v for k, v in defaults.items() if k not in self.model_fields_set}
+        if "top_k" in unset:
+            unset["top_k"] = max(int(unset["top_k"]), 0)
+        return replace(params, **unset) if unset else params
+
     def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
@@ -177,6 +187,24 @@ class _SamplingBody(_Body):
             logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
             skip_special_tokens=self.skip_special_tokens,
             include_stop_str_in_output=self.include_stop_str_in_output)
+
+
+SAMPLING_DEFAULT_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                           "frequency_penalty", "repetition_penalty")
+
+
+def check_sampling_defaults(defaults: dict[str, Any]) -> None:
+    """ValueError unless `defaults` holds only sampling fields within a request's own bounds."""
+    unknown = sorted(set(defaults) - set(SAMPLING_DEFAULT_FIELDS))
+    if unknown:
+        raise ValueError(f"sampling_defaults: unknown field {unknown[0]!r} "
+                         f"(known: {', '.join(SAMPLING_DEFAULT_FIELDS)})")
+    try:
+        _SamplingBody.model_validate(defaults)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        raise ValueError(f"sampling_defaults.{where}: {first['msg']}") from None
 
 
 class ChatMessage(_Body):
