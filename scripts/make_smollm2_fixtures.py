@@ -45,10 +45,8 @@ difference is the difference of their logits):
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
-import re
 import socket
 import subprocess
 import sys
@@ -58,6 +56,7 @@ from pathlib import Path
 from typing import IO
 
 import httpx
+from fixture_json import sha256, to_json  # scripts/: one fixture format
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "tests" / "fixtures" / "smollm2_llamacpp.json"
@@ -258,22 +257,6 @@ def record_prompt(client: httpx.Client, name: str, text: str, pieces: list[bytes
                                for step in steps],
         "steps_probed": probed,
     }
-
-
-def sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def to_json(fixture: dict) -> str:
-    """Indented JSON with each innermost list of numbers on one line. Such a list spans lines
-    once indented, and a JSON string holds no raw newline: text that looks like a list inside a
-    string (a prompt's '[1, 2.5e-3]') is left alone."""
-    text = json.dumps(fixture, ensure_ascii=False, indent=1)
-    return re.sub(r"\[\n[^\[\]{}\"]*\]", lambda m: json.dumps(json.loads(m.group(0))), text) + "\n"
 
 
 def record(client: httpx.Client, pieces: list[bytes]) -> dict:

@@ -125,6 +125,12 @@ def _gateway(text: str, **preloaded) -> GatewayThread:
     return GatewayThread(parse_config(text, ".toml"), preloaded or None)
 
 
+def _upstreams(*served: Served) -> str:
+    """Backend tables for real `lifeline serve` processes, named as they are."""
+    return "".join(f'[backends.{s.name}]\nbase_url = "{s.v1}"\nmodel = "{MODEL}"\n'
+                   for s in served)
+
+
 def _chat(prompt: str = "Name a colour.", **extra) -> dict:
     return {"messages": [{"role": "user", "content": prompt}], "max_tokens": 6,
             "temperature": 0, **extra}
@@ -770,17 +776,7 @@ def test_prefix_affinity_keeps_a_shared_prefix_where_it_is_cached(engines):
     a, b = engines["a"], engines["b"]
     results = {}
     for policy in ("round_robin", "prefix_affinity"):
-        config = f"""
-            [backends.a]
-            base_url = "{a.v1}"
-            model = "{MODEL}"
-            [backends.b]
-            base_url = "{b.v1}"
-            model = "{MODEL}"
-            [models.m]
-            backends = ["a", "b"]
-            policy = "{policy}"
-            """
+        config = _upstreams(a, b) + f'[models.m]\nbackends = ["a", "b"]\npolicy = "{policy}"\n'
         system = f"Conversation {uuid.uuid4()}. " + "You answer questions about ships. " * 12
         with _gateway(config) as gw:
             results[policy] = [httpx.post(gw.base_url + "/v1/chat/completions", json={
@@ -801,21 +797,8 @@ def test_a_backend_killed_mid_stream_and_mid_queue(engines):
     stream with an error event (its answer had begun) and moves the three waiting ones to A
     (nothing of theirs had reached a client): every request answered, none twice."""
     a, b = engines["a"], engines["b"]
-    config = f"""
-        [health]
-        interval_s = 0.2
-        [circuit_breaker]
-        cooldown_s = 600
-        [backends.a]
-        base_url = "{a.v1}"
-        model = "{MODEL}"
-        [backends.b]
-        base_url = "{b.v1}"
-        model = "{MODEL}"
-        [models.m]
-        backends = ["b"]
-        fallbacks = ["a"]
-        """
+    config = "[health]\ninterval_s = 0.2\n[circuit_breaker]\ncooldown_s = 600\n" + \
+        _upstreams(a, b) + '[models.m]\nbackends = ["b"]\nfallbacks = ["a"]\n'
     prompt = {"prompt": "The history of the harbour", "temperature": 0}
     reference = httpx.post(a.v1 + "/completions", json={"model": MODEL, "max_tokens": 8,
                                                         **prompt}, timeout=120).json()

@@ -21,6 +21,7 @@ from lifeline.gateway.health import HealthChecker
 from lifeline.gateway.relay import Relay
 from lifeline.gateway.router import Router
 from lifeline.gateway.state import GatewayState
+from lifeline.server.app import readiness
 from lifeline.server.errors import APIError, install_handlers, parse_json
 from lifeline.server.limits import INLINE_JSON_COMMAS
 from lifeline.server.middleware import GatewayMiddleware
@@ -75,15 +76,10 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        if state.load_error is not None:
-            return JSONResponse({"status": "failed", "error": state.load_error}, 503)
-        if state.admission.draining:
-            return JSONResponse({"status": "draining"}, 503, {"Retry-After": "1"})
         models = state.readiness()
-        if not all(models.values()):
-            return JSONResponse({"status": "waiting", "models": models}, 503,
-                                {"Retry-After": "1"})
-        return JSONResponse({"status": "ready", "models": models})
+        waiting = None if all(models.values()) else {"status": "waiting", "models": models}
+        return readiness(state.load_error, state.admission.draining, waiting,
+                         {"models": models})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -130,6 +130,19 @@ async def _load(state: ServerState, client: EngineClient) -> None:
     state.admission.loading = False
 
 
+def readiness(load_error: str | None, draining: bool, waiting: dict[str, Any] | None,
+              detail: dict[str, Any]) -> JSONResponse:
+    """`/ready`'s answer, here and at the gateway: 503 (with Retry-After where waiting helps)
+    while loading failed, draining or `waiting` says why not; 200 with `detail` otherwise."""
+    if load_error is not None:
+        return JSONResponse({"status": "failed", "error": load_error}, 503)
+    if draining:
+        return JSONResponse({"status": "draining"}, 503, {"Retry-After": "1"})
+    if waiting is not None:
+        return JSONResponse(waiting, 503, {"Retry-After": "1"})
+    return JSONResponse({"status": "ready", **detail})
+
+
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -138,13 +151,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        if state.load_error is not None:
-            return JSONResponse({"status": "failed", "error": state.load_error}, 503)
-        if state.admission.draining:
-            return JSONResponse({"status": "draining"}, 503, {"Retry-After": "1"})
-        if not state.ready:
-            return JSONResponse({"status": "loading"}, 503, {"Retry-After": "1"})
-        return JSONResponse({"status": "ready"})
+        return readiness(state.load_error, state.admission.draining,
+                         None if state.ready else {"status": "loading"}, {})
 
     @app.get("/metrics")
     async def metrics() -> Response:

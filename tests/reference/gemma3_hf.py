@@ -34,63 +34,65 @@ LAYER_TENSORS = {
 GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm"}
 
 
-def _field(reader: GGUFReader, key: str, default: object = None) -> object:
+def gguf_field(reader: GGUFReader, key: str, default: object = None) -> object:
     field = reader.get_field(key)
     return default if field is None else field.contents()
 
 
 def gemma3_config(reader: GGUFReader) -> Gemma3TextConfig:
     """The transformers config equivalent to llama.cpp's reading of the file's metadata."""
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch != "gemma3":
         raise ValueError(f"expected a gemma3 GGUF, got {arch!r}")
-    n_layers = int(_field(reader, "gemma3.block_count"))
+    n_layers = int(gguf_field(reader, "gemma3.block_count"))
     layer_types = [
         "full_attention" if (i + 1) % SLIDING_WINDOW_PATTERN == 0 else "sliding_attention"
         for i in range(n_layers)
     ]
-    local_theta = _field(reader, "gemma3.rope.freq_base_swa", LOCAL_ROPE_THETA)
-    head_dim = int(_field(reader, "gemma3.attention.key_length"))
+    local_theta = gguf_field(reader, "gemma3.rope.freq_base_swa", LOCAL_ROPE_THETA)
+    head_dim = int(gguf_field(reader, "gemma3.attention.key_length"))
     return Gemma3TextConfig(
         vocab_size=len(reader.get_field("tokenizer.ggml.tokens").data),
-        hidden_size=int(_field(reader, "gemma3.embedding_length")),
-        intermediate_size=int(_field(reader, "gemma3.feed_forward_length")),
+        hidden_size=int(gguf_field(reader, "gemma3.embedding_length")),
+        intermediate_size=int(gguf_field(reader, "gemma3.feed_forward_length")),
         num_hidden_layers=n_layers,
-        num_attention_heads=int(_field(reader, "gemma3.attention.head_count")),
-        num_key_value_heads=int(_field(reader, "gemma3.attention.head_count_kv")),
+        num_attention_heads=int(gguf_field(reader, "gemma3.attention.head_count")),
+        num_key_value_heads=int(gguf_field(reader, "gemma3.attention.head_count_kv")),
         head_dim=head_dim,
         hidden_activation="gelu_pytorch_tanh",
-        max_position_embeddings=int(_field(reader, "gemma3.context_length")),
-        rms_norm_eps=float(_field(reader, "gemma3.attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(gguf_field(reader, "gemma3.context_length")),
+        rms_norm_eps=float(gguf_field(reader, "gemma3.attention.layer_norm_rms_epsilon")),
         rope_parameters={
             "full_attention": {
                 "rope_type": "default",
-                "rope_theta": float(_field(reader, "gemma3.rope.freq_base")),
+                "rope_theta": float(gguf_field(reader, "gemma3.rope.freq_base")),
             },
             "sliding_attention": {"rope_type": "default", "rope_theta": float(local_theta)},
         },
         query_pre_attn_scalar=head_dim,
-        sliding_window=int(_field(reader, "gemma3.attention.sliding_window")),
+        sliding_window=int(gguf_field(reader, "gemma3.attention.sliding_window")),
         layer_types=layer_types,
         tie_word_embeddings=True,
-        bos_token_id=int(_field(reader, "tokenizer.ggml.bos_token_id")),
-        eos_token_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
-        pad_token_id=int(_field(reader, "tokenizer.ggml.padding_token_id")),
+        bos_token_id=int(gguf_field(reader, "tokenizer.ggml.bos_token_id")),
+        eos_token_id=int(gguf_field(reader, "tokenizer.ggml.eos_token_id")),
+        pad_token_id=int(gguf_field(reader, "tokenizer.ggml.padding_token_id")),
         attn_implementation="eager",
     )
 
 
-def _hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str, layer_tensors: dict[str, str] = LAYER_TENSORS,
+            global_tensors: dict[str, str] = GLOBAL_TENSORS) -> str:
+    """A GGUF tensor's Hugging Face name, by the architecture's two maps."""
     stem = gguf_name.removesuffix(".weight")
-    if stem in GLOBAL_TENSORS:
-        return GLOBAL_TENSORS[stem] + ".weight"
+    if stem in global_tensors:
+        return global_tensors[stem] + ".weight"
     blk, index, kind = stem.split(".")
-    if blk != "blk" or kind not in LAYER_TENSORS:
+    if blk != "blk" or kind not in layer_tensors:
         raise KeyError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"model.layers.{index}.{LAYER_TENSORS[kind]}.weight"
+    return f"model.layers.{index}.{layer_tensors[kind]}.weight"
 
 
-def _dequantized(tensor: ReaderTensor) -> torch.Tensor:
+def dequantized(tensor: ReaderTensor) -> torch.Tensor:
     # The GGUF shape lists the fastest axis first; numpy's (rows, cols) is HF's (out, in).
     shape = tuple(int(n) for n in reversed(tensor.shape))
     array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
@@ -101,10 +103,10 @@ def hf_state_dict(reader: GGUFReader) -> dict[str, torch.Tensor]:
     """HF-named float32 tensors; norm weights lose the 1 that llama.cpp's converter added."""
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        weight = _dequantized(tensor)
+        weight = dequantized(tensor)
         if tensor.name.removesuffix(".weight").endswith("norm"):
             weight -= 1.0
-        state[_hf_name(tensor.name)] = weight
+        state[hf_name(tensor.name)] = weight
     return state
 
 
@@ -130,6 +132,14 @@ def reference_logits(
     input_ids = torch.tensor([token_ids], dtype=torch.long)
     out = model(input_ids=input_ids, use_cache=False, logits_to_keep=logits_to_keep)
     return out.logits[0].float()
+
+
+def assert_logits_agree(ours: torch.Tensor, ref: torch.Tensor, atol: float) -> None:
+    """Every position's logits within `atol` of the reference's, and the same argmax."""
+    assert ours.shape == ref.shape
+    diff = (ours - ref).abs().amax(dim=-1)
+    assert float(diff.max()) < atol, f"worst position {int(diff.argmax())}"
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
 @torch.inference_mode()

@@ -8,12 +8,12 @@ causal LM). `reference_tokenizer` is the file's vocabulary run by Hugging Face `
 
 from pathlib import Path
 
-import numpy as np
 import torch
-from gguf import GGUFReader, ReaderTensor
-from gguf.quants import dequantize
+from gguf import GGUFReader
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM
+
+from tests.reference.gemma3_hf import dequantized, gguf_field, hf_name
 
 LAYER_TENSORS = {
     "attn_norm": "input_layernorm",
@@ -32,52 +32,31 @@ GLOBAL_TENSORS = {"token_embd": "model.embed_tokens", "output_norm": "model.norm
                   "output": "lm_head"}
 
 
-def _field(reader: GGUFReader, key: str, default: object = None) -> object:
-    field = reader.get_field(key)
-    return default if field is None else field.contents()
-
-
 def llama_config(reader: GGUFReader) -> LlamaConfig:
     """The transformers config equivalent to llama.cpp's reading of the file's metadata."""
-    arch = _field(reader, "general.architecture")
+    arch = gguf_field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"expected a llama GGUF, got {arch!r}")
-    hidden = int(_field(reader, "llama.embedding_length"))
-    heads = int(_field(reader, "llama.attention.head_count"))
+    hidden = int(gguf_field(reader, "llama.embedding_length"))
+    heads = int(gguf_field(reader, "llama.attention.head_count"))
     return LlamaConfig(
         vocab_size=len(reader.get_field("tokenizer.ggml.tokens").data),
         hidden_size=hidden,
-        intermediate_size=int(_field(reader, "llama.feed_forward_length")),
-        num_hidden_layers=int(_field(reader, "llama.block_count")),
+        intermediate_size=int(gguf_field(reader, "llama.feed_forward_length")),
+        num_hidden_layers=int(gguf_field(reader, "llama.block_count")),
         num_attention_heads=heads,
-        num_key_value_heads=int(_field(reader, "llama.attention.head_count_kv", heads)),
-        head_dim=int(_field(reader, "llama.rope.dimension_count", hidden // heads)),
+        num_key_value_heads=int(gguf_field(reader, "llama.attention.head_count_kv", heads)),
+        head_dim=int(gguf_field(reader, "llama.rope.dimension_count", hidden // heads)),
         hidden_act="silu",
-        max_position_embeddings=int(_field(reader, "llama.context_length")),
-        rms_norm_eps=float(_field(reader, "llama.attention.layer_norm_rms_epsilon")),
+        max_position_embeddings=int(gguf_field(reader, "llama.context_length")),
+        rms_norm_eps=float(gguf_field(reader, "llama.attention.layer_norm_rms_epsilon")),
         rope_parameters={"rope_type": "default",
-                         "rope_theta": float(_field(reader, "llama.rope.freq_base", 10000.0))},
+                         "rope_theta": float(gguf_field(reader, "llama.rope.freq_base", 10000.0))},
         tie_word_embeddings=not any(t.name == "output.weight" for t in reader.tensors),
-        bos_token_id=int(_field(reader, "tokenizer.ggml.bos_token_id")),
-        eos_token_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
+        bos_token_id=int(gguf_field(reader, "tokenizer.ggml.bos_token_id")),
+        eos_token_id=int(gguf_field(reader, "tokenizer.ggml.eos_token_id")),
         attn_implementation="eager",
     )
-
-
-def _hf_name(gguf_name: str) -> str:
-    stem = gguf_name.removesuffix(".weight")
-    if stem in GLOBAL_TENSORS:
-        return GLOBAL_TENSORS[stem] + ".weight"
-    blk, index, kind = stem.split(".")
-    if blk != "blk" or kind not in LAYER_TENSORS:
-        raise KeyError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"model.layers.{index}.{LAYER_TENSORS[kind]}.weight"
-
-
-def _dequantized(tensor: ReaderTensor) -> torch.Tensor:
-    shape = tuple(int(n) for n in reversed(tensor.shape))
-    array = dequantize(tensor.data, tensor.tensor_type).reshape(shape)
-    return torch.from_numpy(np.array(array, dtype=np.float32, copy=True))
 
 
 def _hf_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -91,8 +70,8 @@ def _hf_rope_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
 def hf_state_dict(reader: GGUFReader, config: LlamaConfig) -> dict[str, torch.Tensor]:
     state: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
-        name = _hf_name(tensor.name)
-        weight = _dequantized(tensor)
+        name = hf_name(tensor.name, LAYER_TENSORS, GLOBAL_TENSORS)
+        weight = dequantized(tensor)
         if name.endswith("q_proj.weight"):
             weight = _hf_rope_rows(weight, config.num_attention_heads)
         elif name.endswith("k_proj.weight"):
