@@ -101,3 +101,29 @@ def test_sigterm_drains_in_flight_requests_and_refuses_new_ones(served):
     assert ("/v1/completions", 200) in by_status and ("/v1/completions", 503) in by_status
     done = next(r for r in records if r["status"] == 200)
     assert done["completion_tokens"] == 40 and done["timings"]["e2e_ms"] > 0
+
+
+def test_sigterm_while_the_model_loads_exits_without_waiting_for_the_load(tmp_path):
+    """A load that never ends (its file is a pipe nobody writes) must not hold the process:
+    SIGTERM stops a server that is still loading, as `/ready` 503 promised it could."""
+    pipe = tmp_path / "never.gguf"
+    os.mkfifo(pipe)
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "lifeline.cli", "serve", "--model", str(pipe), "--port",
+         str(port), "--no-huge-pages"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+        text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 503:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)

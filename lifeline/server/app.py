@@ -39,6 +39,9 @@ LoadedOrLoader = LoadedModel | Callable[[], LoadedModel]
 """A loaded model, or how to load it (in the background, while the server answers)."""
 
 
+LOAD_POLL_S = 0.25
+
+
 def create_app(loaded_model: LoadedOrLoader, config: ServerConfig | None = None) -> FastAPI:
     """A server for `loaded_model`, or for what a loader callable returns: then the server
     answers at once and `/ready` says 503 until the model has loaded in the background."""
@@ -122,7 +125,10 @@ async def _load(state: ServerState, client: EngineClient) -> None:
     """Load in the background; a model that cannot be loaded stops the server (`state.fail`:
     `lifeline serve` prints why and exits non-zero)."""
     try:
-        await run_in_threadpool(client.wait_started)
+        # in short waits: a server stopped while loading exits now, not once the load (minutes,
+        # with a compile) has ended and freed a worker thread that waits for it
+        while not await run_in_threadpool(client.wait_started, LOAD_POLL_S):
+            pass
         await run_in_threadpool(state.attach, client)  # reads the chat template: off the loop
     except Exception as exc:  # noqa: BLE001 - whatever stops the load stops the server
         state.fail(exc)

@@ -112,10 +112,12 @@ class AsyncEngine(EngineClient):
     def start(self) -> None:
         self._thread.start()
 
-    def wait_started(self) -> None:
-        self.built.wait()
+    def wait_started(self, timeout: float | None = None) -> bool:
+        if not self.built.wait(timeout):
+            return False
         if self.engine is None:
             raise self.error or RuntimeError("the engine is not built")
+        return True
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()

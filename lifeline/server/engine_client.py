@@ -76,8 +76,9 @@ class EngineClient(Protocol):
     def start(self) -> None:
         """Begin bringing the engine up; returns at once."""
 
-    def wait_started(self) -> None:
-        """Block until the engine serves (raises what stopped it from starting)."""
+    def wait_started(self, timeout: float | None = None) -> bool:
+        """Block until the engine serves (True) or `timeout` seconds pass (False); raises what
+        stopped it from starting."""
 
     def stop(self) -> None: ...
 
