@@ -28,7 +28,7 @@ def served(tmp_path_factory):
     base = f"http://127.0.0.1:{port}"
     statuses = []
     try:
-        deadline = time.monotonic() + 180
+        deadline = time.monotonic() + 600  # a loaded machine compiles slowly
         while time.monotonic() < deadline and proc.poll() is None:
             try:
                 statuses.append(httpx.get(base + "/ready", timeout=2).status_code)
