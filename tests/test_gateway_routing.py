@@ -209,9 +209,11 @@ def test_make_serve_answers_chat_with_smollm2_and_lists_both_models(default_mode
     save the test its compile time."""
     config = load_config(REPO / "configs" / "serve.toml")
     assert config.default_model == "smollm2-135m-instruct"
-    for spec in config.backends.values():
+    for name, spec in config.backends.items():
+        # the shared session model stays fp32: an engine converts its weights in place
+        weights = "fp32" if name == "gemma" else spec.engine.weights
         object.__setattr__(spec, "engine", dataclasses.replace(
-            spec.engine, compile=False, kv_cache_memory_bytes=64 << 20))
+            spec.engine, compile=False, kv_cache_memory_bytes=64 << 20, weights=weights))
     with GatewayThread(config, {"gemma": default_model}) as gw:
         _wait_for(lambda: _ok(gw.base_url + "/ready"), 300, "both models")
         client = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="none", max_retries=0)
@@ -577,7 +579,8 @@ def test_balancing_policies_choose_by_load_and_prefix_and_say_why(caplog):
             metrics = httpx.get(gw.base_url + "/metrics").text
     assert routing["reason"] in [d["reason"] for d in recent]
     logged = [json.loads(r.getMessage()) for r in caplog.records if r.name == "lifeline.access"]
-    line = next(entry for entry in logged if entry["routing"]["reason"] == routing["reason"])
+    line = next(entry for entry in logged
+                if entry.get("routing", {}).get("reason") == routing["reason"])
     assert line["backend"] == routing["chosen"] and line["timings"]["backend"]["name"] == \
         routing["chosen"]
     assert _metric(metrics, "lifeline:gateway_routing_decisions_total", model_name="prefix",

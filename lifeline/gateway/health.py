@@ -116,16 +116,28 @@ class HealthChecker:
         self.rounds += 1
 
     async def _run(self) -> None:
-        """Every interval after the first round (which the gateway awaits as it starts)."""
+        """Every interval after the first round (which the gateway awaits as it starts). A
+        round that fails does not end the checks: a backend marked unhealthy is taken back
+        only by a later check that passes, so a dead checker would keep it out for good."""
         while True:
             await asyncio.sleep(self.interval_s)
-            await self.check_all()
+            try:
+                await self.check_all()
+            except Exception:  # noqa: BLE001 - logged; the next round runs regardless
+                log.exception("a round of health checks failed")
 
     async def _check(self, backend: Any) -> None:
         try:
             error = await asyncio.wait_for(backend.probe_health(), self.timeout_s)
         except asyncio.TimeoutError:
             error = f"no answer within {self.timeout_s:g} s"
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if task is not None and task.cancelling():
+                raise  # the checker itself is stopping
+            # a cancellation from inside the probe (its client's timeout machinery): a failed
+            # check, not the end of the checker
+            error = f"no answer within {self.timeout_s:g} s (cancelled)"
         except Exception as exc:  # noqa: BLE001 - any failure to answer is unhealthy
             error = f"{type(exc).__name__}: {exc}"
         backend.health_seen(error, self.unhealthy_after)
