@@ -10,6 +10,7 @@ import json
 import os
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import httpx
@@ -20,7 +21,9 @@ from lifeline.gateway.config import ConfigError, parse_config
 
 ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install "
                           "'lifeline[ray]')")
-from ray import serve  # noqa: E402
+with warnings.catch_warnings():  # Ray Serve's pydantic models use deprecated Field keywords
+    warnings.simplefilter("ignore", DeprecationWarning)
+    from ray import serve  # noqa: E402
 
 from lifeline.gateway.ray_serve import DEPLOYMENT, app_name, deployment_options  # noqa: E402
 from lifeline.gateway.testing import GatewayThread  # noqa: E402
