@@ -8,6 +8,8 @@ the end with none of its processes left behind."""
 import concurrent.futures as cf
 import json
 import os
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -17,16 +19,22 @@ import httpx
 import openai
 import pytest
 
+from lifeline.cli import main
 from lifeline.gateway.config import ConfigError, parse_config
 
-ray = pytest.importorskip("ray", reason="Ray Serve is not installed (pip install "
-                          "'lifeline[ray]')")
-with warnings.catch_warnings():  # Ray Serve's pydantic models use deprecated Field keywords
-    warnings.simplefilter("ignore", DeprecationWarning)
-    from ray import serve  # noqa: E402
+try:
+    with warnings.catch_warnings():  # Ray Serve's pydantic models use deprecated Field keywords
+        warnings.simplefilter("ignore", DeprecationWarning)
+        import ray
+        from ray import serve
 
-from lifeline.gateway.ray_serve import DEPLOYMENT, app_name, deployment_options  # noqa: E402
-from lifeline.gateway.testing import GatewayThread  # noqa: E402
+    from lifeline.gateway.ray_serve import DEPLOYMENT, app_name, deployment_options
+    from lifeline.gateway.testing import GatewayThread
+except ImportError as exc:
+    ray = None
+    print(f"tests/test_scale_out_ray.py: Ray Serve cannot be imported ({exc}): its tests skip")
+needs_ray = pytest.mark.skipif(ray is None, reason="Ray Serve is not installed (pip install "
+                               "'lifeline[ray]')")
 
 VOCAB = 320
 PROMPT = [5, 6, 7, 8]
@@ -175,9 +183,33 @@ def _served_by(answer: dict) -> str:
     return served[0]["replica"]
 
 
+# -- without Ray ------------------------------------------------------------------------
+
+
+def test_serve_and_the_gateway_import_no_ray():
+    code = ("import sys, lifeline.cli, lifeline.gateway.app, lifeline.server.app; "
+            "assert 'ray' not in sys.modules, 'ray was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_without_the_extra_ray_is_refused_with_how_to_install_it(monkeypatch, capsys):
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "ray" else real(name, *a))
+    assert main(["serve", "--ray", "--replicas", "2", "--no-huge-pages"]) == 2
+    assert "--ray needs Ray Serve: pip install 'lifeline[ray]'" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match=r"backends.r.kind: a ray backend needs Ray Serve"):
+        parse_config('[backends.r]\nkind = "ray"\n[models.m]\nbackends = ["r"]\n', ".toml")
+    assert main(["serve", "--replicas", "2", "--no-huge-pages"]) == 2
+    assert "--replicas need --ray" in capsys.readouterr().err
+
+
 # -- the file ---------------------------------------------------------------------------
 
 
+@needs_ray
 def test_ray_backend_keys_are_checked_and_reach_the_deployment(tmp_path):
     config = parse_config(_config(tmp_path), ".toml")
     options = deployment_options(config.backends["tiny"])
@@ -218,6 +250,7 @@ def test_ray_backend_keys_are_checked_and_reach_the_deployment(tmp_path):
 # -- on Ray -----------------------------------------------------------------------------
 
 
+@needs_ray
 def test_autoscaling_settings_reach_ray_serve(gateway):
     from ray.serve.context import _get_global_client
 
@@ -231,6 +264,7 @@ def test_autoscaling_settings_reach_ray_serve(gateway):
     assert status["kind"] == "ray" and status["ray"]["replicas"].get("RUNNING") == 2
 
 
+@needs_ray
 def test_two_replicas_answer_as_transformers_does(client, reference):
     answers = [_short(client, stream) for stream in (True, False, True, False)]
     for answer in answers:
@@ -266,6 +300,7 @@ def _wait_for(condition, what: str, timeout: float = 60) -> None:
         time.sleep(0.05)
 
 
+@needs_ray
 def test_a_replica_killed_mid_run(gateway, client, reference):
     """Each replica runs one long stream and holds two short requests waiting behind it; one
     replica is killed. Its long stream ends with the error event after its first tokens; its

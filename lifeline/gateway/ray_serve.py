@@ -77,13 +77,34 @@ class EngineReplica:
         """The gateway writes the access-log line (the replica's timings nested in it)."""
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
-        while self.state.client is None and self.state.load_error is None:
+        while self.state.admission.loading and self.state.load_error is None:
             await asyncio.sleep(0.05)
         if self.state.load_error is not None:
             raise RuntimeError(f"cannot load the model: {self.state.load_error}")
+        await self._warm_up()
         context = serve.get_replica_context()
         self.replica = context.replica_id.unique_id
         self.actor_name = context.replica_id.to_full_id_str()
+
+    async def _warm_up(self) -> None:
+        """One two-token request through the app before Ray routes here: what a process does
+        once, on its first prefill and decode (the C++ operators' build check in a child
+        process, the kernels' first calls), is then not paid by a client's first request."""
+        import json
+
+        from lifeline.gateway.asgi_bridge import AppExchange
+
+        body = json.dumps({"model": self.state.model_id, "prompt": [1, 2, 3], "max_tokens": 2,
+                           "temperature": 0, "ignore_eos": True}).encode()
+        exchange = await AppExchange.open(self.app, "POST", "/v1/completions", body, {
+            "content-type": "application/json", "content-length": str(len(body))})
+        try:
+            answer = await exchange.aread()
+        finally:
+            await exchange.aclose()
+        if exchange.status != 200:
+            raise RuntimeError(f"the warm-up request failed ({exchange.status}): "
+                               f"{answer[:300]!r}")
 
     async def generate(self, request: dict[str, Any]) -> AsyncIterator[Any]:
         """One request through the replica's app: its status line, then its body."""
