@@ -100,7 +100,11 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def cluster():
-    """A local Ray instance for this module; afterwards, none of its processes may remain."""
+    """A local Ray instance for this module; afterwards, none of its processes may remain.
+    On a loaded 2-core machine Ray's raylet gave up waiting for its dashboard agent to start
+    (`WaitForDashboardAgentPorts`) and the instance never came up: the test gives its agents
+    longer to register (the raylet reads the limit from its environment)."""
+    os.environ.setdefault("RAY_agent_register_timeout_ms", "180000")
     ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 << 20,
              log_to_driver=False, namespace="lifeline")
     session = Path(ray._private.worker._global_node.get_session_dir_path()).name
