@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from lifeline.bench.command import add_parser as bench_parser
 from lifeline.bench.command import cmd_bench
@@ -164,10 +164,30 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="run the model through torch.compile (default; dense models on the CPU; "
                         "compiles for seconds to a minute before /ready); --no-compile: eager")
+    _ray_flags(p)
     p.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
                    help="restart with glibc's malloc asking for transparent huge pages for the "
                         "weights (default, Linux with glibc 2.35+ where the kernel's mode is "
                         "madvise; docs/serve.md)")
+
+
+def _ray_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("scale-out on Ray Serve (pip install 'lifeline[ray]'; "
+                             "docs/scale-out.md)")
+    g.add_argument("--ray", action="store_true",
+                   help="run the engine as Ray Serve replicas behind Lifeline's gateway")
+    g.add_argument("--ray-address", default=None,
+                   help="the Ray cluster to join, e.g. HEAD:6379 (default: RAY_ADDRESS, else a "
+                        "local Ray instance)")
+    g.add_argument("--replicas", type=int, default=None,
+                   help="engine replicas (default 1; with autoscaling: the initial number)")
+    g.add_argument("--min-replicas", type=int, default=None,
+                   help="autoscale: the fewest replicas (0 scales to zero)")
+    g.add_argument("--max-replicas", type=int, default=None, help="autoscale: the most")
+    g.add_argument("--target-ongoing-requests", type=float, default=None,
+                   help="autoscale: the ongoing requests per replica Ray scales to hold")
+    g.add_argument("--replica-cpus", type=float, default=1.0,
+                   help="CPUs Ray reserves for each replica (default 1)")
 
 
 HUGE_PAGES_TUNABLE = "glibc.malloc.hugetlb=1"
@@ -201,6 +221,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         exec_with_huge_pages()
     if args.config is not None:
         return serve_gateway(args)
+    if args.ray:
+        return serve_ray(args)
+    stray = [f"--{k.replace('_', '-')}" for k in RAY_FLAGS[1:] if getattr(args, k) is not None]
+    if stray:
+        print(f"lifeline serve: {', '.join(stray)} need --ray", file=sys.stderr)
+        return 2
     from lifeline.model.loader import load_model
     from lifeline.server.run import build_app, serve
 
@@ -213,6 +239,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(app)
 
 
+RAY_FLAGS = ("ray", "ray_address", "replicas", "min_replicas", "max_replicas",
+             "target_ongoing_requests")
+NOT_WITH_RAY = ("rate_limit_tpm", "otlp_endpoint", "allowed_origins")
+"""Flags of the single-model server that the gateway in front of Ray replicas does not have:
+it counts no tokens, exports no spans, and answers no CORS preflight."""
 GATEWAY_FLAGS = ("config", "host", "port", "api_key", "huge_pages", "command", "exec_allowed")
 """`serve` flags that apply with `--config`; the file says everything else."""
 
@@ -244,6 +275,85 @@ def serve_gateway(args: argparse.Namespace) -> int:
     app = create_gateway_app(config)
     AccessLog.configure()
     return serve(app)
+
+
+def serve_ray(args: argparse.Namespace) -> int:
+    """`lifeline serve --ray`: the model's engine as Ray Serve replicas (a fixed number, or
+    autoscaled), Lifeline's gateway in front of them on `--host:--port` (docs/scale-out.md)."""
+    import importlib.util
+
+    if importlib.util.find_spec("ray") is None:
+        print("lifeline serve: --ray needs Ray Serve: pip install 'lifeline[ray]'",
+              file=sys.stderr)
+        return 2
+    defaults = vars(build_parser().parse_args(["serve"]))
+    stray = [f"--{k.replace('_', '-')}" for k in NOT_WITH_RAY if defaults.get(k) != getattr(
+        args, k)]
+    if stray:
+        print(f"lifeline serve: {', '.join(stray)} cannot be combined with --ray",
+              file=sys.stderr)
+        return 2
+    try:
+        config = ray_gateway_config(args)
+    except ValueError as exc:
+        print(f"lifeline serve: {exc}", file=sys.stderr)
+        return 2
+    from lifeline.gateway.app import create_gateway_app
+    from lifeline.gateway.ray_backend import connect, disconnect
+    from lifeline.observe import AccessLog
+    from lifeline.server.run import serve
+
+    try:
+        connect(config.ray_address)
+    except Exception as exc:  # noqa: BLE001 - ray.init's many failures, reported as one
+        where = config.ray_address or "RAY_ADDRESS or a new local instance"
+        print(f"lifeline serve: cannot join Ray ({where}): {exc}", file=sys.stderr)
+        return 1
+    try:
+        app = create_gateway_app(config)
+        AccessLog.configure()
+        return serve(app)
+    finally:
+        disconnect()
+
+
+def ray_gateway_config(args: argparse.Namespace) -> Any:
+    """The gateway that `lifeline serve --ray` flags describe: one model, one backend of kind
+    `ray` (the engine and server flags go to every replica), the gateway's own flags kept."""
+    from lifeline.gateway.backends import local_model_name
+    from lifeline.gateway.config import BackendSpec, GatewayConfig, PoolSpec, RaySpec, RouteSpec
+
+    server = serve_config(args)
+    autoscale = {k: v for k, v in (("min_replicas", args.min_replicas),
+                                   ("max_replicas", args.max_replicas),
+                                   ("target_ongoing_requests", args.target_ongoing_requests))
+                 if v is not None}
+    if args.replicas is not None and args.replicas < 1:
+        raise ValueError("--replicas must be at least 1")
+    if autoscale:
+        low = autoscale.setdefault("min_replicas", 1)
+        high = autoscale.setdefault("max_replicas", max(low, args.replicas or 1))
+        if low < 0 or high < 1 or low > high:
+            raise ValueError(f"autoscaling needs 0 <= --min-replicas <= --max-replicas and "
+                             f"--max-replicas >= 1 (got {low} and {high})")
+        if args.replicas is not None:
+            autoscale["initial_replicas"] = args.replicas
+    name = server.served_model_name or local_model_name(args.model)
+    options = {k: getattr(server, k) for k in (
+        "chat_template", "allow_request_chat_template", "reasoning_parser", "tool_call_parser",
+        "max_queued_requests", "request_timeout", "default_max_tokens",
+        "salt_cache_by_api_key", "enable_fault_injection")}
+    backend = BackendSpec(
+        name="ray", kind="ray", model=args.model, served_model_name=name,
+        engine=server.engine, server_options=options,
+        ray=RaySpec(replicas=args.replicas or 1, autoscaling=tuple(autoscale.items()),
+                    num_cpus=args.replica_cpus))
+    route = RouteSpec(name=name, pools=(PoolSpec(name, ("ray",), 1.0, "least_outstanding"),))
+    return GatewayConfig(
+        backends={"ray": backend}, models={name: route}, host=args.host, port=args.port,
+        api_keys=list(args.api_key), protect_metrics=args.protect_metrics,
+        rate_limit_rpm=args.rate_limit_rpm, shutdown_timeout=args.shutdown_timeout,
+        ray_address=args.ray_address, source="lifeline serve --ray")
 
 
 def serve_config(args: argparse.Namespace) -> ServerConfig:

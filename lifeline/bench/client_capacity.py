@@ -44,7 +44,8 @@ async def trivial_app(scope, receive, send) -> None:
 
 def start_server(port: int) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "--port", str(port),
-                             "--log-level", "warning", "--no-access-log",
+                             "--log-level", "warning", "--no-access-log", "--loop", "asyncio",
+                             "--http", "h11",
                              "lifeline.bench.client_capacity:trivial_app"])
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:

@@ -30,6 +30,8 @@ class BackendError(Exception):
         super().__init__(message)
         self.kind, self.message, self.status, self.retry_after = kind, message, status, \
             retry_after
+        self.detail: dict[str, Any] = {}
+        """Added to the attempt's entry in the decision record (a Ray replica's id)."""
 
 
 class Exchange(Protocol):
@@ -81,6 +83,21 @@ class Backend:
         if limit is not None and self.outstanding >= limit:
             return f"at max_concurrency ({limit})"
         return None
+
+    @property
+    def load_error(self) -> str | None:
+        """Why the backend could not start (a local model that failed to load)."""
+        return None
+
+    def verdict_on(self, err: BackendError) -> bool | None:
+        """What a failed attempt tells its circuit breaker: False, the backend failed; None,
+        nothing about the backend (a Ray replica that died: Ray replaces it)."""
+        return False
+
+    def retries_on(self, err: BackendError) -> bool:
+        """Whether the next attempt may go to this backend again (a Ray deployment, whose
+        router sends it to another replica), rather than only to the next backend."""
+        return False
 
     def acquire(self) -> bool:
         """Take a slot for one attempt; False when it can take none now."""
@@ -258,6 +275,10 @@ class LocalBackend(Backend):
         """Read from its server's state each time: in rotation exactly while it serves."""
         return self._state_error() is None
 
+    @property
+    def load_error(self) -> str | None:
+        return self.state.load_error
+
     def _loader(self) -> Any:
         from lifeline.model.loader import load_model
 
@@ -345,6 +366,10 @@ def build_backends(config: GatewayConfig, preloaded: dict[str, Any] | None = Non
     for name, spec in config.backends.items():
         if spec.kind == "upstream":
             out[name] = UpstreamBackend(spec, config)
+        elif spec.kind == "ray":
+            from lifeline.gateway.ray_backend import RayBackend  # the `ray` extra
+
+            out[name] = RayBackend(spec, config, on_fatal)
         else:
             out[name] = LocalBackend(spec, config, preloaded.get(name), on_fatal)
     return out

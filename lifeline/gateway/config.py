@@ -6,6 +6,7 @@ from TOML or YAML and validated once, with errors that name the key at fault.
     [models.NAME]     a route: aliases, pools of replicas with weights and a balancing
                       policy, a fallback chain, stickiness, attempt and first-token limits.
     [server] [health] [circuit_breaker]   the gateway's own settings.
+    [ray]             where the Ray cluster of `kind = "ray"` backends is (docs/scale-out.md).
 """
 from __future__ import annotations
 
@@ -44,7 +45,34 @@ def _sampling_defaults(value: Any) -> dict[str, Any]:
 
 
 POLICIES = ("least_outstanding", "power_of_two", "prefix_affinity", "round_robin")
-KINDS = ("local", "upstream")
+KINDS = ("local", "upstream", "ray")
+AUTOSCALING_KEYS: dict[str, Callable[[Any], Any]] = {
+    "min_replicas": integer(0), "max_replicas": integer(1), "initial_replicas": integer(0),
+    "target_ongoing_requests": positive, "upscale_delay_s": non_negative,
+    "downscale_delay_s": non_negative, "metrics_interval_s": positive,
+    "look_back_period_s": positive, "upscaling_factor": positive,
+    "downscaling_factor": positive}
+"""The autoscaling settings a `ray` backend passes to Ray Serve as they are (Ray's
+`AutoscalingConfig` names)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RaySpec:
+    """How a `ray` backend's replicas run on Ray Serve."""
+    replicas: int = 1
+    """A fixed number of replicas (without `autoscaling`)."""
+    autoscaling: tuple[tuple[str, Any], ...] = ()
+    """Ray Serve's autoscaling settings; replaces `replicas` when given."""
+    max_ongoing_requests: int | None = None
+    """Requests one replica holds at once, queued in its engine included (default: the
+    engine's `max_num_seqs`); Ray's router sends no more."""
+    num_cpus: float = 1.0
+    """CPUs Ray reserves for each replica."""
+    router_policy: str = "least_outstanding"
+    """Lifeline's policy inside Ray Serve's router (one of POLICIES)."""
+    load_factor: float = 1.25
+    health_check_period_s: float = 10.0
+    graceful_shutdown_timeout_s: float = 20.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +100,8 @@ class BackendSpec:
     max_concurrency: int | None = None
     """Requests in flight at once; a backend at its limit is skipped."""
     health_path: str = "/health"
+    ray: RaySpec | None = None
+    """Ray: how its replicas are deployed (the model and engine are `model` and `engine`)."""
 
     @property
     def root_url(self) -> str:
@@ -127,6 +157,9 @@ class GatewayConfig:
     breaker_failures: int = 3
     """Consecutive failed requests that open a backend's circuit."""
     breaker_cooldown_s: float = 10.0
+    ray_address: str | None = None
+    """The Ray cluster of the `ray` backends (None: RAY_ADDRESS, else a local instance)."""
+    ray_namespace: str = "lifeline"
     source: str = "<config>"
 
     def names(self) -> dict[str, str]:
@@ -177,6 +210,7 @@ class _Builder:
         server = top.table("server", None)
         health = top.table("health", None)
         breaker = top.table("circuit_breaker", None)
+        ray = top.table("ray", None)
         backends_table = top.table("backends")
         models_table = top.table("models")
         top.done()
@@ -201,6 +235,10 @@ class _Builder:
             config.breaker_failures = breaker.get("failures", integer(1), 3)
             config.breaker_cooldown_s = breaker.get("cooldown_s", positive, 10.0)
             breaker.done()
+        if ray is not None:
+            config.ray_address = ray.get("address", text, None)
+            config.ray_namespace = ray.get("namespace", text, "lifeline")
+            ray.done()
         return config
 
     def server(self, t: Table, config: GatewayConfig) -> None:
@@ -245,13 +283,44 @@ class _Builder:
                                health_path=t.get("health_path", text, "/health"))
         else:
             if base_url is not None:
-                raise t.fail("base_url", "a local backend has no base_url")
+                raise t.fail("base_url", f"a {kind} backend has no base_url")
+            ray = self.ray_deployment(t) if kind == "ray" else None
             engine = self.engine(t.table("engine", None))
             options = self.server_options(t.table("server", None))
             spec = BackendSpec(**common, engine=engine, server_options=options,
-                               served_model_name=t.get("served_model_name", text, None))
+                               served_model_name=t.get("served_model_name", text, None),
+                               ray=ray)
         t.done()
         return spec
+
+    def ray_deployment(self, t: Table) -> RaySpec:
+        """A `ray` backend's deployment keys (docs/scale-out.md); Ray must be installed."""
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            raise t.fail("kind", "a ray backend needs Ray Serve: pip install 'lifeline[ray]'")
+        replicas = t.get("replicas", integer(1), None)
+        scaling = t.table("autoscaling", None)
+        autoscaling: dict[str, Any] = {}
+        if scaling is not None:
+            if replicas is not None:
+                raise t.fail("replicas", "give either `replicas` or `autoscaling`")
+            autoscaling = {k: scaling.get(k, check) for k, check in AUTOSCALING_KEYS.items()
+                           if k in scaling.data}
+            scaling.known.extend(AUTOSCALING_KEYS)
+            scaling.done()
+            low, high = autoscaling.get("min_replicas", 1), autoscaling.get("max_replicas", 1)
+            if low > high:
+                raise scaling.fail("min_replicas", f"{low} is above max_replicas ({high})")
+        return RaySpec(
+            replicas=replicas or 1, autoscaling=tuple(autoscaling.items()),
+            max_ongoing_requests=t.get("max_ongoing_requests", integer(1), None),
+            num_cpus=t.get("num_cpus", positive, 1.0),
+            router_policy=t.get("router_policy", choice(POLICIES), "least_outstanding"),
+            load_factor=t.get("load_factor", at_least_one, 1.25),
+            health_check_period_s=t.get("health_check_period_s", positive, 10.0),
+            graceful_shutdown_timeout_s=t.get("graceful_shutdown_timeout_s", non_negative,
+                                              20.0))
 
     def engine(self, t: Table | None) -> EngineConfig:
         """A local backend's engine options; the command line's defaults (int8-all weights,

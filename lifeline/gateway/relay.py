@@ -82,7 +82,9 @@ class Relay:
         spec = self.route.spec
         tried = 0
         previous: Backend | None = None
-        for backend in self.decision.order:
+        order = list(self.decision.order)
+        while order:
+            backend = order.pop(0)
             if tried >= spec.max_attempts or self.aborted:
                 break
             if not backend.acquire():
@@ -98,9 +100,11 @@ class Relay:
             try:
                 return await self._attempt(backend, started)
             except BackendError as err:
-                backend.release(None if self.aborted else False)
+                backend.release(None if self.aborted else backend.verdict_on(err))
                 self._failed(backend, err, started)
                 previous = backend
+                if backend.retries_on(err):
+                    order.insert(0, backend)
             except BaseException:
                 backend.release(None)
                 raise
@@ -112,6 +116,7 @@ class Relay:
     async def _attempt(self, backend: Backend, started: float) -> Response:
         self.marks = marks = {}
         self.sent_at = started
+        self._exchange = None
         limit = self.route.spec.first_token_timeout_s or backend.spec.first_token_timeout_s
         if not self.stream:
             limit = None
@@ -182,14 +187,18 @@ class Relay:
         self.state.metrics.backend_errors.labels(backend.name, err.kind).inc()
         entry = self._attempt_entry(backend, err.kind, started, err.status)
         entry["error"] = err.message
+        entry.update(err.detail)
         self.decision.attempts.append(entry)
         log.info("%s: backend %s failed (%s: %s)", self.id, backend.name, err.kind,
                  err.message)
 
     def _attempt_entry(self, backend: Backend, outcome: str, started: float,
                        status: int | None = None) -> dict[str, Any]:
-        return {"backend": backend.name, "outcome": outcome, "status": status,
-                "ms": record.ms(time.perf_counter() - started)}
+        entry = {"backend": backend.name, "outcome": outcome, "status": status,
+                 "ms": record.ms(time.perf_counter() - started)}
+        if outcome != "skipped" and self._exchange is not None:
+            entry.update(getattr(self._exchange, "detail", None) or {})
+        return entry
 
     def _exhausted(self, tried: int) -> Response:
         name = self.route.spec.name
@@ -414,6 +423,9 @@ class Relay:
         headers = {"X-Request-Id": self.id}
         if self.backend is not None:
             headers["X-Lifeline-Backend"] = self.backend.name
+            replica = (getattr(self._exchange, "detail", None) or {}).get("replica")
+            if replica:
+                headers["X-Lifeline-Replica"] = replica
         return headers
 
 

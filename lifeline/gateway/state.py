@@ -45,8 +45,9 @@ class GatewayState:
         self.limiter = RateLimiter(self.config.rate_limit_rpm, None)
 
     def fail_backend(self, backend: Backend) -> None:
-        """A local model could not be loaded: the gateway stops, as `lifeline serve` does."""
-        error = backend.state.load_error
+        """A local model could not be loaded (or a Ray deployment could not be deployed): the
+        gateway stops, as `lifeline serve` does."""
+        error = backend.load_error
         self.load_error = f"backend {backend.name!r}: {error}"
         log.error("cannot load the model of backend %s: %s", backend.name, error)
         if self.on_fatal is not None:

@@ -7,7 +7,7 @@ import uvicorn
 
 from lifeline.gateway.app import create_gateway_app
 from lifeline.gateway.config import GatewayConfig
-from lifeline.server.run import DrainingServer
+from lifeline.server.run import UVICORN_RUNTIME, DrainingServer
 from lifeline.server.testing import ServerThread, free_port
 
 
@@ -22,6 +22,7 @@ class GatewayThread(ServerThread):
         self.app = create_gateway_app(config, preloaded)
         self.server = DrainingServer(uvicorn.Config(
             self.app, host="127.0.0.1", port=config.port, access_log=False,
-            log_level="warning", timeout_graceful_shutdown=1), self.state)
+            log_level="warning", timeout_graceful_shutdown=1,
+            **UVICORN_RUNTIME), self.state)
         self.thread = threading.Thread(target=self.server.run, name="lifeline-test-gateway",
                                        daemon=True)

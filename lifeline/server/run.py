@@ -18,6 +18,11 @@ from lifeline.server.config import ServerConfig
 from lifeline.server.state import ServerState
 
 log = logging.getLogger("lifeline.server")
+UVICORN_RUNTIME = {"loop": "asyncio", "http": "h11"}
+"""uvicorn's event loop and HTTP parser, named rather than left to its "auto", which takes
+uvloop and httptools whenever they are installed: Ray Serve's extra (`lifeline[ray]`) brings
+both, and the server would silently become another one than the one every figure in the docs
+was measured on (docs/scale-out.md)."""
 
 
 class DrainingServer(uvicorn.Server):
@@ -76,7 +81,7 @@ def serve(app: FastAPI) -> int:
     state: ServerState = app.state.lifeline
     config = state.config
     uconfig = uvicorn.Config(app, host=config.host, port=config.port, access_log=False,
-                             timeout_graceful_shutdown=1, log_level="info")
+                             timeout_graceful_shutdown=1, log_level="info", **UVICORN_RUNTIME)
     server = DrainingServer(uconfig, state)
     server.run()
     if state.load_error is not None:

@@ -11,7 +11,7 @@ import uvicorn
 
 from lifeline.server.app import LoadedOrLoader, create_app
 from lifeline.server.config import ServerConfig
-from lifeline.server.run import DrainingServer
+from lifeline.server.run import UVICORN_RUNTIME, DrainingServer
 from lifeline.server.state import ServerState
 
 
@@ -30,7 +30,8 @@ class ServerThread:
         self.app = create_app(model, self.config)
         self.server = DrainingServer(uvicorn.Config(
             self.app, host="127.0.0.1", port=self.config.port, access_log=False,
-            log_level="warning", timeout_graceful_shutdown=1), self.state)
+            log_level="warning", timeout_graceful_shutdown=1,
+            **UVICORN_RUNTIME), self.state)
         self.thread = threading.Thread(target=self.server.run, name="lifeline-test-server",
                                        daemon=True)
 
