@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import machine  # noqa: E402
+from common import ForeignLoad, machine  # noqa: E402
 from vs_llamacpp import ROOT, Server, free_port  # noqa: E402
 
 MODEL = "gemma-3-270m"
@@ -307,7 +307,7 @@ def policy_table(rows: list[dict[str, Any]]) -> Any:
                     "of the same round)")
     for col in ("policy", "round", "hit rate", "turns 2+", "by turn", "TTFT p50 ms", "TTFT p90 ms",
                 "output tok/s", "requests A/B", "failed", "decisions"):
-        t.add_column(col, justify="right")
+        t.add_column(col, justify="right", no_wrap=col != "decisions")
     base = {r["round"]: r for r in rows if r["policy"] == "round_robin"}
     for r in rows:
         b = base.get(r["round"], {})
@@ -357,10 +357,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, \
         TimeElapsedColumn
 
-    console = Console(width=150)
+    console = Console(width=190)
     log_dir = Path(tempfile.mkdtemp(prefix="routing-bench-"))
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     t0 = time.monotonic()
+    foreign = ForeignLoad()
     console.print(f"[bold]replicas[/]: 2 × lifeline serve, OMP_NUM_THREADS={args.threads}, "
                   f"KV cache {args.kv_tokens} tokens each; logs in {log_dir}")
     extra = ["--no-compile"] if args.no_compile else []
@@ -378,10 +379,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 lat = asyncio.run(added_latency(a.url, gw.url, args.latency_pairs,
                                                 args.latency_tokens, progress))
                 rows = asyncio.run(policies(gw.url, root, args, progress))
+            others = foreign.share(tuple(s.proc.pid for s in (a, b, gw) if s.proc))
     console.print(policy_table(rows))
     console.print(latency_table(lat))
+    console.print(f"other processes used {others:.2f} cores on average during the run")
     return {"date": started, "commit": commit(), "machine": machine(),
-            "wall_s": time.monotonic() - t0,
+            "wall_s": time.monotonic() - t0, "foreign_cores": others,
             "settings": {k: v for k, v in vars(args).items() if k != "json"},
             "kv_bytes_per_replica": args.kv_tokens * KV_BYTES_PER_TOKEN,
             "policies": rows, "added_latency": lat}
