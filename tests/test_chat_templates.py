@@ -301,15 +301,15 @@ def test_the_deadline_stops_a_loop_the_operation_count_would_allow():
 
 
 def test_the_deadline_is_checked_between_slow_operations():
-    # each operation ~0.1 s (a sort of 200,000 items), 1,000 of them: the render stops at the
-    # first check past the deadline, far before the loop ends (a 1,000,000-item sort once took
-    # 1.7 s on this shared machine, over the bound below)
+    # each operation ~0.1 s (a sort of 200,000 items), 1,000 of them (~100 s): the render stops
+    # at the first check past the deadline, far before the loop ends. The bound is a fifth of
+    # the loop, not a latency: a loaded machine took 2.8 s where an idle one takes 0.4 s.
     template = ChatTemplate("{% for i in range(1000) %}{{ ((range(20000)|list) * 10)|sort"
                             "|length }}{% endfor %}", "request", limits=RenderLimits(timeout_s=0.3))
     began = time.monotonic()
     with pytest.raises(TemplateTimeout, match="0.3 s"):
         template.render([USER])
-    assert time.monotonic() - began < 2
+    assert time.monotonic() - began < 20
 
 
 def test_limits_leave_ordinary_templates_alone():
