@@ -467,6 +467,23 @@ def test_sigterm_drains_the_gateway_requests_in_flight_finish_new_ones_get_503()
 
 # -- the traffic split ----------------------------------------------------------------------
 
+def test_each_request_leaves_one_access_log_line(caplog):
+    caplog.set_level(logging.INFO, logger="lifeline.access")
+    with Upstream("a") as up:
+        config = f'[backends.a]\nbase_url = "{up.base_url}"\n[models.m]\nbackends = ["a"]\n'
+        with _gateway(config) as gw:
+            for stream in (False, True):
+                r = httpx.post(gw.base_url + "/v1/chat/completions", timeout=30, json={
+                    "model": "m", "stream": stream, **_chat()})
+                assert r.status_code == 200
+            assert httpx.post(gw.base_url + "/v1/completions", json={"model": "z"}).status_code \
+                == 404
+    lines = [json.loads(r.getMessage()) for r in caplog.records if r.name == "lifeline.access"]
+    assert [(line["endpoint"], line["status"], "routing" in line) for line in lines] == [
+        ("/v1/chat/completions", 200, True), ("/v1/chat/completions", 200, True),
+        ("/v1/completions", 404, False)]
+
+
 def test_a_canary_split_holds_its_weights_over_1000_requests_and_sessions_stick():
     with Upstream("stable") as stable, Upstream("canary") as canary:
         config = f"""

@@ -136,6 +136,7 @@ def _generate_handler(endpoint: str) -> Any:
             route, requested if isinstance(requested, str) else None,
             _session(body, request, spec), _prompt_text(body, spec.prefix_chars))
         relay = Relay(state, stamps, new_id("gw"), endpoint, body, route, decision)
+        request.state.accounted = True  # the relay writes this request's access-log line
         return await _unless_client_leaves(request, relay)
 
     handler.__name__ = endpoint.strip("/").replace("/", "_")
