@@ -484,6 +484,29 @@ def test_each_request_leaves_one_access_log_line(caplog):
         ("/v1/completions", 404, False)]
 
 
+def test_hostile_bodies_at_the_gateway_get_openai_errors(tmp_path):
+    """Every body the gateway parses itself (generation and /tokenize, /detokenize) is refused
+    before any backend sees it when it is not an object, names a model of the wrong type, or is
+    larger than the body limit; the backend is never asked."""
+    with Upstream("a") as up:
+        config = f'[backends.a]\nbase_url = "{up.base_url}"\n[models.m]\nbackends = ["a"]\n'
+        with _gateway(config) as gw:
+            cases = [(b"[1, 2]", 400, None), (b'"x"', 400, None),
+                     (b'{"model": 123, "prompt": "x"}', 400, "model"),
+                     (b'{"model": ["m"], "prompt": "x"}', 400, "model"),
+                     (b'{"model": "m", "prompt": "' + b"a" * (9 << 20) + b'"}', 413, None)]
+            for path in ("/v1/completions", "/tokenize", "/detokenize"):
+                for body, status, param in cases:
+                    r = httpx.post(gw.base_url + path, content=body, timeout=30,
+                                   headers={"content-type": "application/json"})
+                    assert r.status_code == status, (path, body[:40], r.text)
+                    error = r.json()["error"]
+                    assert set(error) == {"message", "type", "param", "code"}
+                    assert error["param"] == param
+            assert up.requests == []
+            assert httpx.get(gw.base_url + "/health").status_code == 200
+
+
 def test_a_canary_split_holds_its_weights_over_1000_requests_and_sessions_stick():
     with Upstream("stable") as stable, Upstream("canary") as canary:
         config = f"""

@@ -76,7 +76,10 @@ class Router:
                 raise APIError(400, "name a model (this gateway serves several: GET "
                                "/v1/models lists them)", "model", "model_required")
             return self.routes[self.names[default]]
-        if not isinstance(requested, str) or requested not in self.names:
+        if not isinstance(requested, str):
+            raise APIError(400, f"model must be a string, got {type(requested).__name__}",
+                           "model", "invalid_type")
+        if requested not in self.names:
             served = ", ".join(sorted(self.names))
             raise APIError(404, f"the model {requested!r} does not exist; this gateway serves "
                            f"{served}", "model", "model_not_found")
