@@ -142,7 +142,7 @@ class Backend:
         """Begin serving (a local engine starts loading); `stack` undoes it at shutdown."""
 
     async def open(self, path: str, body: bytes, headers: dict[str, str],
-                   marks: dict[str, float]) -> Exchange:
+                   marks: dict[str, float], prefix: str | None = None) -> Exchange:
         """Send one request to `path` (`/v1/...`, or the root's `/tokenize` and
         `/detokenize`); returns once the status line is in.
         `marks` gets `connected` (the connection was made, if a new one was) and `headers`."""
@@ -173,7 +173,7 @@ class UpstreamBackend(Backend):
         stack.push_async_callback(self.health_http.aclose)
 
     async def open(self, path: str, body: bytes, headers: dict[str, str],
-                   marks: dict[str, float]) -> Exchange:
+                   marks: dict[str, float], prefix: str | None = None) -> Exchange:
         headers = {**headers, "content-type": "application/json"}
         if self.spec.api_key:
             headers["authorization"] = f"Bearer {self.spec.api_key}"
@@ -286,10 +286,7 @@ class LocalBackend(Backend):
         return lambda: load_model(None if model in (None, "default") else model)
 
     def server_config(self) -> Any:
-        from lifeline.server.config import ServerConfig
-
-        return ServerConfig(served_model_name=self.served_name, engine=self.spec.engine,
-                            **self.spec.server_options)
+        return engine_server_config(self.spec, self.served_name)
 
     def model_for(self, route: str) -> str:
         return self.served_name
@@ -298,7 +295,7 @@ class LocalBackend(Backend):
         await stack.enter_async_context(self.app.router.lifespan_context(self.app))
 
     async def open(self, path: str, body: bytes, headers: dict[str, str],
-                   marks: dict[str, float]) -> Exchange:
+                   marks: dict[str, float], prefix: str | None = None) -> Exchange:
         try:
             exchange = await AppExchange.open(self.app, "POST", path, body, {
                 **headers, "content-type": "application/json",
@@ -345,6 +342,14 @@ class _LocalExchange:
 
     async def aclose(self) -> None:
         await self.exchange.aclose()
+
+
+def engine_server_config(spec: BackendSpec, served_name: str) -> Any:
+    """The single-model server config of a backend that runs an engine (local or on Ray)."""
+    from lifeline.server.config import ServerConfig
+
+    return ServerConfig(served_model_name=served_name, engine=spec.engine,
+                        **spec.server_options)
 
 
 def local_model_name(model: str | None) -> str:

@@ -14,13 +14,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import logging
 import os
 import time
 from typing import Any
 
-from lifeline.gateway.backends import Backend, BackendError, local_model_name
+from lifeline.gateway.backends import (
+    Backend,
+    BackendError,
+    engine_server_config,
+    local_model_name,
+)
 from lifeline.gateway.config import BackendSpec, GatewayConfig
 
 log = logging.getLogger("lifeline.gateway")
@@ -59,10 +63,7 @@ class RayBackend(Backend):
         return self.served_name
 
     def server_config(self) -> Any:
-        from lifeline.server.config import ServerConfig
-
-        return ServerConfig(served_model_name=self.served_name, engine=self.spec.engine,
-                            **self.spec.server_options)
+        return engine_server_config(self.spec, self.served_name)
 
     async def start(self, stack: contextlib.AsyncExitStack) -> None:
         """Deploy in the background (replicas load for seconds to minutes); the backend is out
@@ -113,13 +114,13 @@ class RayBackend(Backend):
         return err.kind == REPLICA_DIED
 
     async def open(self, path: str, body: bytes, headers: dict[str, str],
-                   marks: dict[str, float]) -> _RayExchange:
+                   marks: dict[str, float], prefix: str | None = None) -> _RayExchange:
         if self.handle is None:
             raise BackendError("internal", "the Ray deployment is not running yet")
         key = f"{headers.get('x-request-id', 'gw')}#{next(self._sent)}"
         request = {"id": key, "path": path, "body": body, "headers": headers}
         if self.spec.ray.router_policy == "prefix_affinity":
-            request["prefix"] = _prefix(body)
+            request["prefix"] = prefix
         stream = self.handle.options(stream=True).generate.remote(request)
         exchange = _RayExchange(stream, key)
         try:
@@ -254,18 +255,6 @@ def replica_error(exc: BaseException) -> BackendError:
 
 def _error_of(item: Any) -> str:
     return str(item.get("error")) if isinstance(item, dict) else f"{type(item).__name__}"
-
-
-def _prefix(body: bytes) -> str | None:
-    """The prompt's leading characters, for a `prefix_affinity` router (as the gateway's own
-    policy reads them)."""
-    from lifeline.gateway.app import _prompt_text
-
-    try:
-        data = json.loads(body)
-    except ValueError:
-        return None
-    return _prompt_text(data, 256) if isinstance(data, dict) else None
 
 
 _started_here = False

@@ -123,7 +123,7 @@ class Relay:
         try:
             async with asyncio.timeout(limit):
                 exchange = await backend.open(self.endpoint, self._body_for(backend),
-                                              self.headers, marks)
+                                              self.headers, marks, self.decision.prefix)
                 self._exchange = exchange
                 try:
                     if exchange.status != 200:

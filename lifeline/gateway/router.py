@@ -35,6 +35,9 @@ class Decision:
     """Every backend to try, in order (the chosen one first)."""
     attempts: list[dict[str, Any]] = field(default_factory=list)
     outcome: dict[str, Any] | None = None
+    prefix: str | None = None
+    """The prompt's leading characters the policies read (a Ray backend's router reads them
+    too); not part of the record."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "requested": self.requested, "pool": self.pool,
@@ -118,6 +121,7 @@ class Router:
             decision.reason = f"no pool's replica can serve now: the fallback " \
                 f"{decision.chosen}"
             decision.code = "fallback"
+        decision.prefix = prefix
         return decision
 
     def _candidates(self, route: Route, pick: Pick | None) -> list[dict[str, Any]]:
