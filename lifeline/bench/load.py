@@ -4,6 +4,7 @@ bounded by a request count or a duration, with warm-up requests sent first and l
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import time
 from collections.abc import Callable, Iterator
@@ -153,7 +154,6 @@ def with_history(req: BenchRequest, history: list[dict[str, str]]) -> BenchReque
 async def _open(one, budget: _Budget, plan: LoadPlan) -> None:
     rng = random.Random(plan.seed)
     cap = asyncio.Semaphore(plan.concurrency) if plan.concurrency else None
-    theta = 1 / (plan.rate * plan.burstiness)
     tasks: set[asyncio.Task] = set()
     next_at = time.perf_counter()
 
@@ -171,13 +171,21 @@ async def _open(one, budget: _Budget, plan: LoadPlan) -> None:
         task = asyncio.create_task(capped(req, next_at))
         tasks.add(task)
         task.add_done_callback(tasks.discard)
-        next_at += rng.gammavariate(plan.burstiness, theta)
+        next_at += arrival_gap(rng, plan.rate, plan.burstiness)
     if tasks:
         await asyncio.gather(*tasks)
 
 
+def arrival_gap(rng: random.Random, rate: float, burstiness: float) -> float:
+    """The open loop's next inter-arrival time: gamma(shape=burstiness,
+    scale=1 / (rate × burstiness)), mean 1 / rate; 0 at rate inf (every request at once, as
+    vLLM's `--request-rate inf`)."""
+    if math.isinf(rate):
+        return 0.0
+    return rng.gammavariate(burstiness, 1 / (rate * burstiness))
+
+
 def interarrival_times(rate: float, burstiness: float, n: int, seed: int = 0) -> list[float]:
-    """The gaps the open loop draws (for tests and plots): gamma(shape=burstiness,
-    scale=1 / (rate × burstiness)), mean 1 / rate."""
+    """The gaps the open loop draws (for tests and plots)."""
     rng = random.Random(seed)
-    return [rng.gammavariate(burstiness, 1 / (rate * burstiness)) for _ in range(n)]
+    return [arrival_gap(rng, rate, burstiness) for _ in range(n)]

@@ -48,6 +48,9 @@ class EngineConfig:
     sliding_window_kv: bool = True
     """Sliding-window layers give back the blocks their window left behind (hybrid models
     get a second block table and pool); False keeps every block for every layer."""
+    kv_dtype_bytes: float = 4
+    """Bytes of one cached K or V element: 4 for the model executor's fp32 pools; the planner
+    sizes the cache of the format it prices (2 for bf16, 1 for fp8, per device under TP)."""
     num_threads: int | None = None
     device: str = "cpu"
     """Where weights, KV cache and logits live ('cpu', 'cuda'); scheduling stays on the CPU."""
@@ -129,7 +132,7 @@ class LLMEngine:
             mcfg, config.block_size, memory_bytes=config.kv_cache_memory_bytes,
             num_blocks=config.num_kv_blocks, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            sliding_window_kv=config.sliding_window_kv)
+            dtype_bytes=config.kv_dtype_bytes, sliding_window_kv=config.sliding_window_kv)
         self.block_manager = layout.manager(config.enable_prefix_caching,
                                             config.max_num_batched_tokens)
         max_len = self._clamp_model_len(config.max_model_len, mcfg.max_position)

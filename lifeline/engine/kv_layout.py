@@ -77,7 +77,7 @@ def plan_kv(cfg: ModelConfig, block_size: int, *, memory_bytes: int | None = Non
         window = cfg.sliding_window if sliding else None
         name = "sliding" if sliding else "full"
         bpb = per_layer * cfg.num_layers
-        blocks = num_blocks or max(1, memory_bytes // bpb)
+        blocks = num_blocks or max(1, int(memory_bytes // bpb))
         return KVLayout(block_size, (KVGroup(name, cfg.num_layers, window, blocks, bpb),))
     full_bpb, window_bpb = per_layer * full, per_layer * sliding
     if num_blocks is not None:
@@ -86,8 +86,8 @@ def plan_kv(cfg: ModelConfig, block_size: int, *, memory_bytes: int | None = Non
         live = -(-cfg.sliding_window // block_size) + 2
         window_blocks = max_num_seqs * live + -(-max_num_batched_tokens // block_size)
         share = memory_bytes * sliding // cfg.num_layers // window_bpb
-        window_blocks = max(1, min(window_blocks, share))
-        full_blocks = max(1, (memory_bytes - window_blocks * window_bpb) // full_bpb)
+        window_blocks = max(1, int(min(window_blocks, share)))
+        full_blocks = max(1, int((memory_bytes - window_blocks * window_bpb) // full_bpb))
     return KVLayout(block_size, (
         KVGroup("full", full, None, full_blocks, full_bpb),
         KVGroup("sliding", sliding, cfg.sliding_window, window_blocks, window_bpb)))

@@ -25,6 +25,8 @@ class Efficiency:
     """Of the peak tensor FLOP/s, in attention's matrix multiplies (FlashAttention-like)."""
     step_overhead_s: float = 0.0
     """Fixed time of every step: scheduling, input preparation, kernel launches, sampling."""
+    seq_overhead_s: float = 0.0
+    """Time per request scheduled in a step (its inputs, sampling, output handling)."""
     request_overhead_s: float = 0.0
     """Fixed time of every request before its first step: HTTP, chat template, tokenizer."""
     source: str = ""
