@@ -1,4 +1,4 @@
-"""`lifeline` command line: generate (offline), serve, bench; later plan."""
+"""`lifeline` command line: generate (offline), serve, bench, plan."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from lifeline.bench.command import add_parser as bench_parser
 from lifeline.bench.command import cmd_bench
+from lifeline.plan.command import add_parser as plan_parser
+from lifeline.plan.command import cmd_plan
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int8-all")
 """lifeline.model.weight_format.WEIGHT_FORMATS, repeated so that parsing flags needs no torch."""
@@ -403,13 +405,16 @@ def build_parser() -> argparse.ArgumentParser:
     _generate_parser(sub)
     _serve_parser(sub)
     bench_parser(sub)
+    plan_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.exec_allowed = argv is None  # a program, not a call from Python: it may re-exec
-    return {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench}[args.command](args)
+    commands = {"generate": cmd_generate, "serve": cmd_serve, "bench": cmd_bench,
+                "plan": cmd_plan}
+    return commands[args.command](args)
 
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
+Runner = Callable[..., Awaitable[dict[str, Any]]]
+"""Runs the benchmark a `BenchSettings` describes and returns its results: `run_bench`
+against a server, or the planner's simulation."""
+
 from lifeline.bench.run import BenchSettings, run_bench
 
 TRIAL_KEYS = ("ttft_ms", "tpot_ms", "e2e_ms")
@@ -80,8 +84,8 @@ def _trial_row(results: dict[str, Any], **load: float) -> dict[str, Any]:
 
 
 async def find_max_users(settings: BenchSettings, limit: float = 1024,
-                         on_trial: Callable[[dict[str, Any]], None] | None = None
-                         ) -> dict[str, Any]:
+                         on_trial: Callable[[dict[str, Any]], None] | None = None,
+                         run: Runner = run_bench) -> dict[str, Any]:
     """Run trials and return the results of the best one, with a `search` object listing
     every trial and the answer: closed-loop trials for `max_users`, or, when `settings.rate`
     is set, open-loop trials for `max_rate_rps`."""
@@ -92,7 +96,7 @@ async def find_max_users(settings: BenchSettings, limit: float = 1024,
     trials: list[dict[str, Any]] = []
 
     async def met(load: float) -> bool:
-        runs[load] = await _trial(settings, load, len(runs))
+        runs[load] = await _trial(settings, load, len(runs), run)
         row = _trial_row(runs[load], **({"rate": load} if by_rate else {"concurrency": load}))
         trials.append(row)
         if on_trial is not None:
@@ -110,18 +114,20 @@ async def find_max_users(settings: BenchSettings, limit: float = 1024,
     return results
 
 
-async def _trial(settings: BenchSettings, load: float, index: int) -> dict[str, Any]:
+async def _trial(settings: BenchSettings, load: float, index: int,
+                 run: Runner = run_bench) -> dict[str, Any]:
     """One run at `load`: a rate when `settings.rate` is set, else a number of users. Each
     trial has its own seed, so its prompts are not cached by the one before."""
     if settings.rate is not None:
-        return await run_bench(replace(settings, rate=load, seed=settings.seed + index))
+        return await run(replace(settings, rate=load, seed=settings.seed + index))
     users = int(load)
-    return await run_bench(replace(settings, concurrency=users, seed=settings.seed + index,
+    return await run(replace(settings, concurrency=users, seed=settings.seed + index,
                                    requests=trial_requests(settings, users)))
 
 
 async def sweep(settings: BenchSettings, loads: list[float],
-                on_trial: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                on_trial: Callable[[dict[str, Any]], None] | None = None,
+                run: Runner = run_bench) -> dict[str, Any]:
     """Runs at each load in turn (users, or rates with `settings.rate`); the last run's
     results with a `sweep` object listing every run's headline numbers."""
     if not loads:
@@ -129,7 +135,7 @@ async def sweep(settings: BenchSettings, loads: list[float],
     by_rate = settings.rate is not None
     trials, results = [], {}
     for i, load in enumerate(loads):
-        results = await _trial(settings, load, i)
+        results = await _trial(settings, load, i, run)
         row = _trial_row(results, **({"rate": load} if by_rate else {"concurrency": int(load)}))
         trials.append(row)
         if on_trial is not None:

@@ -1,0 +1,40 @@
+"""Engine settings the planner can replay: the scheduler's limits and memory share of a serving
+engine, and its fixed costs where they are the engine's rather than the device's.
+
+The scheduler that runs is always Lifeline's (continuous batching with chunked prefill, as vLLM
+V1); a profile sets its limits as that engine's defaults or a published run's flags, and its
+per-step overheads (None: the device's, `Efficiency.step_overhead_s`/`seq_overhead_s`).
+Where each number comes from is in `source` and docs/plan.md.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class EngineProfile:
+    name: str
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    gpu_memory_utilization: float = 0.9
+    step_overhead_s: float | None = None
+    seq_overhead_s: float | None = None
+    source: str = ""
+
+
+ENGINES: dict[str, EngineProfile] = {
+    "lifeline": EngineProfile(
+        "lifeline", 256, 8192, 0.9,
+        source="Lifeline's scheduler with vLLM V1's GPU limits (256 sequences, 8,192 tokens a "
+               "step, 90% of memory); on a CPU `lifeline serve`'s defaults (64, 512)"),
+}
+
+CPU_LIMITS = (64, 512)
+"""`lifeline serve`'s max_num_seqs and max_num_batched_tokens, the CPU defaults."""
+
+
+def get_engine(name: str) -> EngineProfile:
+    try:
+        return ENGINES[name]
+    except KeyError:
+        raise ValueError(f"unknown engine {name!r}; known: {', '.join(ENGINES)}") from None
