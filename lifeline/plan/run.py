@@ -319,9 +319,11 @@ def measured_count(settings: BenchSettings) -> int:
 
 
 def run_plan(settings: BenchSettings, deployment: Deployment,
-             on_done: Callable[[Sent], None] | None = None) -> dict[str, Any]:
+             on_done: Callable[[Sent], None] | None = None,
+             workload: list[BenchRequest] | None = None) -> dict[str, Any]:
     """Simulate the run `settings` describe on `deployment`; the bench's results plus a `plan`
-    object (the deployment, its KV capacity, what bounded each phase)."""
+    object (the deployment, its KV capacity, what bounded each phase). `workload`: these
+    requests in this order (a replayed trace) instead of the ones `settings` describe."""
     import time
 
     from lifeline.bench.workloads import cycle
@@ -335,7 +337,8 @@ def run_plan(settings: BenchSettings, deployment: Deployment,
         settings.input_tokens = limit - settings.output_tokens - 16
         if settings.input_tokens < 1:
             raise ValueError("--output-tokens leaves no room for a prompt in the context")
-    workload = plan_requests(settings, vocab, measured_count(settings))
+    if workload is None:
+        workload = plan_requests(settings, vocab, measured_count(settings))
     load = _Load(settings, deployment, cycle(workload), on_done)
     result = load.run()
     started = datetime.now(UTC)
