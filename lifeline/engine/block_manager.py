@@ -217,18 +217,32 @@ class BlockManager:
         need, reusable = self._need(req, num_new_tokens, cached_prefix)
         if need > self.num_free_blocks - reusable:
             return False
-        for block_id in cached_prefix:
-            if block_id != NULL_BLOCK:
-                self._touch(block_id)
-        table = self._table(req).block_ids
-        table.extend(cached_prefix)
-        table.extend(self._pop_free() for _ in range(max(need, 0)))
+        self.take(req, need, cached_prefix)
         return True
+
+    def take(self, req: Request, need: int, cached_prefix: Sequence[int] = ()) -> None:
+        """Append the cached prefix and `need` fresh blocks to `req`'s table (`_need` said
+        they fit)."""
+        table = self._table(req).block_ids
+        if cached_prefix:
+            for block_id in cached_prefix:
+                if block_id != NULL_BLOCK:
+                    self._touch(block_id)
+            table.extend(cached_prefix)
+        if need > 0:
+            table.extend(self._pop_free() for _ in range(need))
 
     def _need(self, req: Request, num_new_tokens: int, cached_prefix: Sequence[int]
               ) -> tuple[int, int]:
+        """Fresh blocks `req` needs for `num_new_tokens` more tokens after `cached_prefix`,
+        and how many of the prefix's blocks sit in the free pool (a hit takes them out)."""
+        entry = self._tables.get(req.request_id)
+        held = len(entry.block_ids) if entry is not None else 0
+        if not cached_prefix:  # every step of a running request
+            total = req.num_computed_tokens + num_new_tokens
+            return -(-total // self.block_size) - held, 0
         total = req.num_computed_tokens + len(cached_prefix) * self.block_size + num_new_tokens
-        need = self.blocks_needed(total) - len(self.block_table(req)) - len(cached_prefix)
+        need = self.blocks_needed(total) - held - len(cached_prefix)
         reusable = sum(1 for b in cached_prefix
                        if b != NULL_BLOCK and self.blocks[b].ref_cnt == 0)
         return need, reusable
@@ -371,12 +385,16 @@ class KVCacheManager:
 
     def allocate(self, req: Request, num_new_tokens: int,
                  cached_prefix: Sequence[tuple[int, ...]] = ()) -> bool:
-        per_group = [[entry[g] for entry in cached_prefix] for g in range(len(self.groups))]
-        if not all(g.can_allocate(req, num_new_tokens, p)
-                   for g, p in zip(self.groups, per_group)):
-            return False
+        per_group = ([[entry[g] for entry in cached_prefix] for g in range(len(self.groups))]
+                     if cached_prefix else [()] * len(self.groups))
+        needs = []
         for g, p in zip(self.groups, per_group):
-            g.allocate(req, num_new_tokens, p)
+            need, reusable = g._need(req, num_new_tokens, p)
+            if need > g.num_free_blocks - reusable:
+                return False
+            needs.append(need)
+        for g, p, need in zip(self.groups, per_group, needs):
+            g.take(req, need, p)
         return True
 
     def commit(self, req: Request) -> None:

@@ -11,6 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+STEP_TRTLLM = 2e-3
+STEP_VLLM05, SEQ_VLLM05 = 6e-3, 20e-6
+"""Fitted by `benchmarks/plan_validation.py --fit` (docs/plan.md says when and on what)."""
+
+
 @dataclass(frozen=True, slots=True)
 class EngineProfile:
     name: str
@@ -27,6 +32,20 @@ ENGINES: dict[str, EngineProfile] = {
         "lifeline", 256, 8192, 0.9,
         source="Lifeline's scheduler with vLLM V1's GPU limits (256 sequences, 8,192 tokens a "
                "step, 90% of memory); on a CPU `lifeline serve`'s defaults (64, 512)"),
+    "trtllm": EngineProfile(
+        "trtllm", 4096, 8192, 0.9, step_overhead_s=STEP_TRTLLM, seq_overhead_s=0.0,
+        source="TensorRT-LLM's trtllm-bench limits (max batch 4,096, 8,192 tokens); step "
+               "overhead fitted on its Llama-3.1-8B FP8 H100 128/128 row "
+               "(benchmarks/plan_validation.py --fit, docs/plan.md)"),
+    "vllm-0.5": EngineProfile(
+        "vllm-0.5", 256, 8000, 0.9, step_overhead_s=STEP_VLLM05, seq_overhead_s=SEQ_VLLM05,
+        source="vLLM 0.5.4 defaults (256 sequences, max_num_batched_tokens = max_model_len, "
+               "90% of memory); step and per-sequence overheads (its API server and scheduler "
+               "on the CPU) fitted on LambdaLabs' H100 ShareGPT-320 output throughput and "
+               "median ITL (benchmarks/plan_validation.py --fit, docs/plan.md)"),
+    "fastertransformer": EngineProfile(
+        "fastertransformer", 1, 2048, 0.9, step_overhead_s=0.0, seq_overhead_s=0.0,
+        source="FasterTransformer at batch 1: C++ with no scheduler; no overhead assumed"),
 }
 
 CPU_LIMITS = (64, 512)
