@@ -57,7 +57,11 @@ class KVLayout:
 
 
 def kv_bytes_per_token(cfg: ModelConfig, dtype_bytes: int = 4, num_layers: int = 1) -> int:
-    """K and V of `num_layers` layers for one token (the only place this is computed)."""
+    """K and V of `num_layers` layers for one token (the only place this is computed). With
+    multi-head latent attention (DeepSeek-V2/V3) a layer caches one latent and the shared RoPE
+    key (`kv_lora_rank + qk_rope_head_dim` values), not a K and a V per head."""
+    if cfg.is_mla:
+        return (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * dtype_bytes * num_layers
     return 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes * num_layers
 
 

@@ -19,7 +19,10 @@ class ModelConfig:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    """Width of one query/key head; for MLA, `qk_nope_head_dim + qk_rope_head_dim` (what the
+    attention scale uses)."""
     intermediate_size: int
+    """Hidden width of the dense MLP (of every layer that is not MoE)."""
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     rope_local_theta: float | None = None
@@ -42,12 +45,28 @@ class ModelConfig:
     moe_intermediate_size: int = 0
     """Hidden width of one routed expert (Mixtral: `intermediate_size`)."""
     shared_expert_intermediate_size: int = 0
-    """Width of the always-on shared expert (Qwen2-MoE); 0 for none."""
+    """Width of the always-on shared expert (Qwen2-MoE; DeepSeek: all its shared experts as
+    one MLP); 0 for none."""
+    shared_expert_gate: bool = True
+    """The shared expert's output is scaled by a learned sigmoid gate (Qwen2-MoE: one
+    `hidden_size` vector); DeepSeek adds it ungated."""
     norm_topk_prob: bool = False
     """Renormalize the top-k routing probabilities to sum to 1 (Mixtral, Qwen3-MoE checkpoints)."""
     decoder_sparse_step: int = 1
     """Every n-th layer is MoE (Qwen-MoE); the others, and `mlp_only_layers`, are dense."""
     mlp_only_layers: list[int] = field(default_factory=list)
+    kv_lora_rank: int = 0
+    """Multi-head latent attention (DeepSeek-V2/V3): the width of the compressed KV latent that
+    the cache holds in place of K and V; 0 for ordinary attention."""
+    q_lora_rank: int = 0
+    """MLA: the width of the compressed query (q_a_proj, q_b_proj); 0: one q_proj."""
+    qk_rope_head_dim: int = 0
+    """MLA: the part of each query/key head that carries RoPE (its key part is shared by all
+    heads and cached beside the latent)."""
+    qk_nope_head_dim: int = 0
+    """MLA: the part of each query/key head without position."""
+    v_head_dim: int = 0
+    """MLA: the width of each value head."""
 
     def __post_init__(self) -> None:
         if not self.layer_types:
@@ -60,6 +79,15 @@ class ModelConfig:
                                      and self.moe_intermediate_size > 0):
             raise ValueError("an MoE model needs 0 < num_experts_per_tok <= num_experts "
                              "and moe_intermediate_size > 0")
+        mla = (self.kv_lora_rank, self.qk_rope_head_dim, self.qk_nope_head_dim, self.v_head_dim)
+        if (any(mla) or self.q_lora_rank) and not all(d > 0 for d in mla):
+            raise ValueError("an MLA model needs kv_lora_rank, qk_rope_head_dim, "
+                             "qk_nope_head_dim and v_head_dim > 0")
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention: the cache holds one latent per token, not K and V."""
+        return self.kv_lora_rank > 0
 
     @property
     def family(self) -> str:
@@ -105,17 +133,37 @@ class ModelConfig:
         return layers + embed + h
 
     def _layer_params(self, layer_idx: int, experts: int) -> int:
-        h, d = self.hidden_size, self.head_dim
-        q, kv = self.num_heads * d, self.num_kv_heads * d
-        attn = h * (q + 2 * kv) + q * h
-        attn += (q + 2 * kv) * self.attention_bias + 2 * d * self.qk_norm
+        h = self.hidden_size
+        attn = self._mla_params() if self.is_mla else self._attention_params()
         norms = h * registry.family(self.architecture).norms_per_layer
         if not self.is_moe_layer(layer_idx):
             return attn + norms + 3 * h * self.intermediate_size
         shared = self.shared_expert_intermediate_size
         ffn = self.num_experts * h + experts * self.expert_params()
-        ffn += (3 * h * shared + h) if shared else 0
+        ffn += (3 * h * shared + h * self.shared_expert_gate) if shared else 0
         return attn + norms + ffn
+
+    def _attention_params(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        attn = h * (q + 2 * kv) + q * h
+        return attn + (q + 2 * kv) * self.attention_bias + 2 * d * self.qk_norm
+
+    def _mla_params(self) -> int:
+        """DeepSeek-V2/V3 attention: the query through q_proj, or q_a_proj, its norm and
+        q_b_proj; kv_a_proj_with_mqa to the latent and the shared RoPE key, the latent's norm,
+        kv_b_proj from the latent to every head's key (no RoPE part) and value; o_proj."""
+        h, heads, rank, rope = (self.hidden_size, self.num_heads, self.kv_lora_rank,
+                                self.qk_rope_head_dim)
+        q_out = heads * (self.qk_nope_head_dim + rope)
+        if self.q_lora_rank:
+            q = (h + 1 + q_out) * self.q_lora_rank + self.q_lora_rank * self.attention_bias
+        else:
+            q = h * q_out
+        kv = (h + self.attention_bias) * (rank + rope) + rank
+        kv += rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        out = heads * self.v_head_dim * h + h * self.attention_bias
+        return q + kv + out
 
 
 def gemma3_layer_types(num_layers: int, pattern: int | None = None) -> list[str]:
@@ -166,7 +214,10 @@ def config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
 
 
 def config_from_hf(path: str | Path) -> ModelConfig:
-    raw = json.loads((Path(path) / "config.json").read_text())
+    """From a Hugging Face model directory, or its `config.json` file itself."""
+    path = Path(path)
+    file = path if path.is_file() else path / "config.json"
+    raw = json.loads(file.read_text())
     raw = raw.get("text_config", raw) if raw.get("model_type") == "gemma3" else raw
     arch = raw.get("model_type", "llama")
     num_heads = raw["num_attention_heads"]
@@ -207,21 +258,44 @@ def config_from_hf(path: str | Path) -> ModelConfig:
         qk_norm=arch in ("gemma3_text", "qwen3", "qwen3_moe"),
         attention_bias=raw.get("attention_bias",
                                raw.get("qkv_bias", arch in ("qwen2", "qwen2_moe"))),
-        name=Path(path).name,
+        name=file.parent.name if file.name == "config.json" else file.stem,
     )
+    if raw.get("kv_lora_rank"):
+        _set_mla_fields(cfg, raw)
     if found and found.routed_experts:
         _set_moe_fields(cfg, raw)
     return cfg
 
 
 def _set_moe_fields(cfg: ModelConfig, raw: dict[str, Any]) -> None:
-    cfg.num_experts = raw.get("num_experts") or raw["num_local_experts"]
+    cfg.num_experts = (raw.get("num_experts") or raw.get("num_local_experts")
+                       or raw["n_routed_experts"])
     cfg.num_experts_per_tok = raw["num_experts_per_tok"]
     cfg.moe_intermediate_size = raw.get("moe_intermediate_size") or raw["intermediate_size"]
     cfg.shared_expert_intermediate_size = raw.get("shared_expert_intermediate_size") or 0
     cfg.norm_topk_prob = cfg.architecture == "mixtral" or raw.get("norm_topk_prob", False)
     cfg.decoder_sparse_step = raw.get("decoder_sparse_step") or 1
     cfg.mlp_only_layers = list(raw.get("mlp_only_layers") or [])
+    if raw.get("n_shared_experts"):
+        # DeepSeek: its shared experts run as one ungated MLP of their summed width.
+        cfg.shared_expert_intermediate_size = raw["n_shared_experts"] * cfg.moe_intermediate_size
+        cfg.shared_expert_gate = False
+    if "first_k_dense_replace" in raw:
+        # DeepSeek: the first k layers are dense, then every moe_layer_freq-th is MoE.
+        first, every = raw["first_k_dense_replace"], raw.get("moe_layer_freq") or 1
+        cfg.mlp_only_layers = [i for i in range(cfg.num_layers) if i < first or i % every]
+    cfg.__post_init__()
+
+
+def _set_mla_fields(cfg: ModelConfig, raw: dict[str, Any]) -> None:
+    """DeepSeek-V2/V3 multi-head latent attention. Its configs' `head_dim` is the RoPE part
+    alone (transformers); ours is the whole query/key head."""
+    cfg.kv_lora_rank = raw["kv_lora_rank"]
+    cfg.q_lora_rank = raw.get("q_lora_rank") or 0
+    cfg.qk_rope_head_dim = raw["qk_rope_head_dim"]
+    cfg.qk_nope_head_dim = raw["qk_nope_head_dim"]
+    cfg.v_head_dim = raw["v_head_dim"]
+    cfg.head_dim = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
     cfg.__post_init__()
 
 

@@ -4,7 +4,8 @@ Two kinds:
 
 - Full size (`FULL`): the published configuration of a real model, shapes only. `shape_model`
   builds it on the meta device, so a 46.7B Mixtral costs no memory; parameter counts match the
-  model cards (tests/test_presets.py).
+  model cards (tests/test_presets.py). DeepSeek's (multi-head latent attention) are shapes for
+  the planner only: no Lifeline model builds them (`registry.ModelFamily.buildable`).
 - Scaled (`SCALED`): the dense-vs-MoE experiment at a size this machine runs. Three models that
   differ only in the feed-forward block, each with more than 300 MB of fp32 weights so decode
   streams weights from memory rather than cache:
@@ -28,6 +29,14 @@ if TYPE_CHECKING:
 _QWEN3 = {"vocab_size": 151936, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
           "qk_norm": True, "head_dim": 128, "max_position": 40960}
 _LLAMA2 = {"vocab_size": 32000, "rms_norm_eps": 1e-5, "head_dim": 128, "max_position": 4096}
+_LLAMA3 = {"architecture": "llama", "vocab_size": 128256, "num_kv_heads": 8, "head_dim": 128,
+           "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position": 131072}
+# DeepSeek-V2/V3: multi-head latent attention (a 512-wide KV latent plus a 64-wide RoPE key
+# cached per token; 128 + 64 query/key and 128 value dims per head), the first layers dense,
+# then shared plus routed experts, untied head. `head_dim` is the query/key head (nope + rope).
+_DEEPSEEK = {"rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position": 163840,
+             "kv_lora_rank": 512, "qk_rope_head_dim": 64, "qk_nope_head_dim": 128,
+             "v_head_dim": 128, "head_dim": 192, "shared_expert_gate": False}
 
 
 def _gemma3(hidden: int, layers: int, heads: int, kv: int, head_dim: int, inter: int,
@@ -45,11 +54,13 @@ FULL: dict[str, dict[str, Any]] = {
     # Dense, MHA
     "llama-2-7b": {**_LLAMA2, "architecture": "llama", "hidden_size": 4096, "num_layers": 32,
                    "num_heads": 32, "num_kv_heads": 32, "intermediate_size": 11008},
+    "llama-2-13b": {**_LLAMA2, "architecture": "llama", "hidden_size": 5120, "num_layers": 40,
+                    "num_heads": 40, "num_kv_heads": 40, "intermediate_size": 13824},
     # Dense, GQA
-    "llama-3.1-8b": {"architecture": "llama", "vocab_size": 128256, "hidden_size": 4096,
-                     "num_layers": 32, "num_heads": 32, "num_kv_heads": 8, "head_dim": 128,
-                     "intermediate_size": 14336, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
-                     "max_position": 131072},
+    "llama-3.1-8b": {**_LLAMA3, "hidden_size": 4096, "num_layers": 32, "num_heads": 32,
+                     "intermediate_size": 14336},
+    "llama-3.1-70b": {**_LLAMA3, "hidden_size": 8192, "num_layers": 80, "num_heads": 64,
+                      "intermediate_size": 28672},
     "mistral-7b-v0.1": {**_LLAMA2, "architecture": "mistral", "hidden_size": 4096,
                         "num_layers": 32, "num_heads": 32, "num_kv_heads": 8,
                         "intermediate_size": 14336, "max_position": 32768,
@@ -79,6 +90,23 @@ FULL: dict[str, dict[str, Any]] = {
                           "attention_bias": True, "max_position": 8192, "num_experts": 60,
                           "num_experts_per_tok": 4, "moe_intermediate_size": 1408,
                           "shared_expert_intermediate_size": 5632},
+    "qwen3-235b-a22b": {**_QWEN3, "architecture": "qwen3_moe", "hidden_size": 4096,
+                        "num_layers": 94, "num_heads": 64, "num_kv_heads": 4,
+                        "intermediate_size": 12288, "num_experts": 128,
+                        "num_experts_per_tok": 8, "moe_intermediate_size": 1536,
+                        "norm_topk_prob": True},
+    # MoE with multi-head latent attention: shapes for the planner (no model runs them)
+    "deepseek-v3": {**_DEEPSEEK, "architecture": "deepseek_v3", "vocab_size": 129280,
+                    "hidden_size": 7168, "num_layers": 61, "num_heads": 128,
+                    "num_kv_heads": 128, "intermediate_size": 18432, "q_lora_rank": 1536,
+                    "num_experts": 256, "num_experts_per_tok": 8,
+                    "moe_intermediate_size": 2048, "shared_expert_intermediate_size": 2048,
+                    "norm_topk_prob": True, "mlp_only_layers": [0, 1, 2]},
+    "deepseek-v2-lite": {**_DEEPSEEK, "architecture": "deepseek_v2", "vocab_size": 102400,
+                         "hidden_size": 2048, "num_layers": 27, "num_heads": 16,
+                         "num_kv_heads": 16, "intermediate_size": 10944, "num_experts": 64,
+                         "num_experts_per_tok": 6, "moe_intermediate_size": 1408,
+                         "shared_expert_intermediate_size": 2 * 1408, "mlp_only_layers": [0]},
 }
 
 _SCALED_BASE = {"vocab_size": 32000, "hidden_size": 768, "num_layers": 8, "num_heads": 12,

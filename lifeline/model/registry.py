@@ -27,13 +27,16 @@ _MOE = frozenset({
     "num_experts", "num_experts_per_tok", "moe_intermediate_size",
     "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
     "mlp_only_layers"})
+_MLA = frozenset({
+    "kv_lora_rank", "q_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim"})
 
 
 @dataclass(frozen=True, slots=True)
 class ModelFamily:
     name: str
     model_class: str
-    """`module:Class`, imported on the first build."""
+    """`module:Class`, imported on the first build; empty for a family Lifeline describes but
+    cannot run (`buildable`)."""
     architectures: tuple[str, ...]
     """What checkpoints call it: Hugging Face `model_type`s and class names, GGUF
     `general.architecture`s."""
@@ -60,11 +63,20 @@ class ModelFamily:
     weight format's head may return its argmax with the logits (the greedy shortlist)."""
 
     def __post_init__(self) -> None:
-        if ":" not in self.model_class or not self.architectures:
-            raise ValueError(f"{self.name}: give model_class as 'module:Class' and at least "
-                             "one architecture name")
+        if (self.model_class and ":" not in self.model_class) or not self.architectures:
+            raise ValueError(f"{self.name}: give model_class as 'module:Class' (or '' for a "
+                             "family with no model) and at least one architecture name")
+
+    @property
+    def buildable(self) -> bool:
+        """Lifeline has a model for it; the others are shapes for the planner (their configs
+        and parameter counts), which the engine cannot run."""
+        return bool(self.model_class)
 
     def model(self) -> type[nn.Module]:
+        if not self.buildable:
+            raise ValueError(f"Lifeline has no model for the {self.name} family yet: its "
+                             "configs are shapes for `lifeline plan`, not models to run")
         module, _, cls = self.model_class.partition(":")
         return getattr(importlib.import_module(module), cls)
 
@@ -118,3 +130,10 @@ register(ModelFamily(
      "MixtralForCausalLM"),
     _DECODER | {"num_layers", "qk_norm", "attention_bias"} | _MOE, routed_experts=True,
     compiles=False))  # routing gives each expert a data-dependent number of tokens
+register(ModelFamily(
+    # Multi-head latent attention and DeepSeekMoE (shared plus routed experts, the first layers
+    # dense): presets and configs for the planner; no model yet.
+    "deepseek", "", ("deepseek_v2", "DeepseekV2ForCausalLM", "deepseek_v3",
+                     "DeepseekV3ForCausalLM"),
+    _DECODER | {"num_layers", "shared_expert_gate"} | _MOE | _MLA, routed_experts=True,
+    compiles=False))
