@@ -82,7 +82,9 @@ def stacked_ttft(records: list[dict[str, Any]]) -> str:
 
 
 def waterfall(records: list[dict[str, Any]]) -> str:
-    """Sampled requests on a time line: waiting for the first token, then streaming."""
+    """Sampled requests on a time line: where a server reported its stages, each request's
+    client and network, front, queue and prefill (with its chunk count), then decode;
+    otherwise grey until the first token, then streaming."""
     rows = [r for r in records if r.get("e2e_ms") is not None][:SAMPLES]
     if not rows:
         return ""
@@ -90,16 +92,31 @@ def waterfall(records: list[dict[str, Any]]) -> str:
     sx = _scale(0, end, PAD, W - 10)
     height = (H - PAD - 10) / len(rows)
     parts = _axes("ms since the window opened", "request", end, len(rows))
+
+    def bar(y: float, a: float, b: float, colour: str, title: str) -> None:
+        parts.append(f'<rect x="{sx(a):.1f}" y="{y:.1f}" width="{max(sx(b) - sx(a), 0):.1f}"'
+                     f' height="{max(height - 1, 1):.1f}" fill="{colour}">'
+                     f'<title>{html.escape(title)}: {b - a:.1f} ms</title></rect>')
+
     for i, r in enumerate(rows):
         y, start = 10 + i * height, r["sent_s"] * 1e3
         first = start + (r["ttft_ms"] or r["e2e_ms"])
-        colour = "#2ca02c" if r["ok"] else "#d62728"
-        parts.append(f'<rect x="{sx(start):.1f}" y="{y:.1f}" width="{sx(first) - sx(start):.1f}"'
-                     f' height="{max(height - 1, 1):.1f}" fill="#bbbbbb"/>')
-        parts.append(f'<rect x="{sx(first):.1f}" y="{y:.1f}" '
-                     f'width="{sx(start + r["e2e_ms"]) - sx(first):.1f}" '
-                     f'height="{max(height - 1, 1):.1f}" fill="{colour}"/>')
-    return _figure("Waterfall: grey until the first token, then streaming", parts)
+        split = r.get("ttft_split_ms")
+        if split:
+            at = start
+            chunks = (r.get("server_timings") or {}).get("prefill_chunks")
+            for stage, colour in STAGE_COLOURS.items():
+                length = max(split.get(stage) or 0.0, 0.0)
+                label = f"{stage} ({chunks} chunks)" if stage == "prefill" and chunks else stage
+                bar(y, at, at + length, colour, label)
+                at += length
+        else:
+            bar(y, start, first, "#bbbbbb", "until the first token")
+        bar(y, first, start + r["e2e_ms"], "#2ca02c" if r["ok"] else "#d62728", "decode")
+    parts += [f'<text x="{W - 14}" y="{24 + 14 * i}" text-anchor="end" fill="{c}">{s}</text>'
+              for i, (s, c) in enumerate({**STAGE_COLOURS, "decode": "#2ca02c"}.items())]
+    return _figure("Waterfall: client and network, front, queue, prefill, then decode "
+                   "(grey until the first token where the server reports no stages)", parts)
 
 
 def _figure(title: str, parts: list[str]) -> str:

@@ -92,10 +92,11 @@ def deployment_from(args: argparse.Namespace) -> Deployment:
     cpu = hw.kind == "cpu"
     weights = args.weights or ("int8" if cpu else "bf16")
     kv_dtype = args.kv_dtype or ("fp32" if cpu else "bf16")
+    calibrated = cpu and engine.name == "lifeline"  # this CPU's overheads were measured
     cost = CostModel(model, hw, tp=args.tp, weights=weights, kv_dtype=kv_dtype,
-                     step_overhead_s=engine.step_overhead_s,
-                     seq_overhead_s=engine.seq_overhead_s)
-    seqs, tokens = CPU_LIMITS if cpu and engine.name == "lifeline" else (
+                     step_overhead_s=None if calibrated else engine.step_overhead_s,
+                     seq_overhead_s=None if calibrated else engine.seq_overhead_s)
+    seqs, tokens = CPU_LIMITS if calibrated else (
         engine.max_num_seqs, engine.max_num_batched_tokens)
     kv_bytes = args.kv_cache_gib * 2 ** 30 if args.kv_cache_gib is not None else None
     if kv_bytes is None and cpu:

@@ -36,12 +36,18 @@ KINDS = ("gemm", "moe", "attention", "lm_head", "comm", "overhead")
 
 
 def compute_dtype(weights: str, hw: Hardware) -> str:
-    """The dtype a projection multiplies in: the weights' own where the device has tensor
-    throughput for it, so int4 (weight-only quantization, AWQ/GPTQ style) is dequantized and
-    multiplied in bf16 on a GPU without int4 throughput."""
-    if weights == "int4" and "int4" not in hw.flops:
-        return "bf16" if "bf16" in hw.flops else "fp32"
+    """The dtype a projection multiplies in: the weights' own (fp8 and int8 as W8A8), except
+    int4, which is weight-only (AWQ/GPTQ style): dequantized and multiplied in bf16. A dtype
+    the device has no throughput for runs at the next wider one's (`Hardware.peak_flops`)."""
+    if weights == "int4" and hw.kind == "gpu":
+        return "bf16"
     return weights
+
+
+def gemm_rate(hw: Hardware, dtype: str) -> float:
+    """Achieved FLOP/s of a compute-bound matrix multiply in `dtype` on `hw`."""
+    eff = hw.efficiency
+    return hw.peak_flops(dtype) * eff.gemm_by_dtype.get(dtype, eff.gemm)
 
 
 @dataclass(slots=True)
@@ -96,8 +102,8 @@ class CostModel:
         head = weights if weights not in ("fp8", "int4") else "bf16"
         self.head_bytes = BYTES[head]
         # achieved rates
-        self.gemm_flops = hw.peak_flops(compute_dtype(weights, hw)) * eff.gemm
-        self.head_flops = hw.peak_flops(compute_dtype(head, hw)) * eff.gemm
+        self.gemm_flops = gemm_rate(hw, compute_dtype(weights, hw))
+        self.head_flops = gemm_rate(hw, compute_dtype(head, hw))
         self.attn_flops = hw.peak_flops(act) * eff.attention
         self.bandwidth = hw.memory_bandwidth * eff.memory
         self._shapes(model)

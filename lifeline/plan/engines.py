@@ -29,9 +29,11 @@ class EngineProfile:
 
 ENGINES: dict[str, EngineProfile] = {
     "lifeline": EngineProfile(
-        "lifeline", 256, 8192, 0.9,
+        "lifeline", 256, 8192, 0.9, step_overhead_s=STEP_TRTLLM, seq_overhead_s=0.0,
         source="Lifeline's scheduler with vLLM V1's GPU limits (256 sequences, 8,192 tokens a "
-               "step, 90% of memory); on a CPU `lifeline serve`'s defaults (64, 512)"),
+               "step, 90% of memory) and, on a GPU, TensorRT-LLM's fitted step overhead "
+               "(Lifeline has not been measured on a GPU); on a CPU `lifeline serve`'s "
+               "defaults (64, 512) and the overheads `lifeline plan calibrate` measured"),
     "trtllm": EngineProfile(
         "trtllm", 4096, 8192, 0.9, step_overhead_s=STEP_TRTLLM, seq_overhead_s=0.0,
         source="TensorRT-LLM's trtllm-bench limits (max batch 4,096, 8,192 tokens); step "

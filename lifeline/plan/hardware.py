@@ -23,6 +23,9 @@ class Efficiency:
 
     gemm: float = 0.7
     """Of the peak tensor FLOP/s, in a compute-bound matrix multiply (prefill, large batches)."""
+    gemm_by_dtype: dict[str, float] = field(default_factory=dict)
+    """`gemm` for the input dtypes that reach a different share (Hopper's fp8 GEMMs reach less
+    of their peak than its bf16 ones)."""
     memory: float = 0.85
     """Of the peak memory bandwidth, streaming weights and KV cache."""
     attention: float = 0.5
@@ -79,18 +82,39 @@ GB_S = 1e9
 """Bandwidths are decimal: a vendor's TB/s and GB/s are 10^12 and 10^9 bytes/s."""
 GIB = 2**30
 """Memory sizes are binary: an '80 GB' H100 is 80 GiB of HBM (nvidia-smi: 81,559 MiB)."""
-UNFITTED = Efficiency(source="default: not yet fitted")
+HOPPER = Efficiency(
+    gemm=0.71, gemm_by_dtype={"fp8": 0.64}, memory=0.90, attention=0.75,
+    source="published kernel results: bf16 and fp8 GEMMs of Llama-3.1-8B's shapes reach 71% "
+           "and 64% of H100 peak at M=2,048 (vLLM PR #19627, benchmarks/kernels/"
+           "bench_fp8_gemm.py); FlashMLA decode streams 3,000 GB/s on H800 SXM5 (90% of 3.35 "
+           "TB/s); FlashAttention-3 reaches 740 TFLOP/s bf16 (75%, Shah et al. 2024)")
+AMPERE = Efficiency(
+    gemm=0.72, memory=0.90, attention=0.70,
+    source="published: cli99/llm-analysis's efficiencies for FasterTransformer on A100 (its "
+           "profiled MLP GEMMs reach 72% of peak FLOP/s; 90% of HBM bandwidth); "
+           "FlashAttention-2 reaches up to 73% of A100 peak (Dao 2023)")
+BLACKWELL = Efficiency(
+    gemm=0.71, gemm_by_dtype={"fp8": 0.64}, memory=0.90, attention=0.75,
+    source="assumed: Hopper's shares of peak (no published B200 row replayed yet)")
+ADA = Efficiency(
+    gemm=0.70, memory=0.85, attention=0.60,
+    source="assumed: shares a little below Ampere's for GDDR and PCIe cards (no published "
+           "row replayed)")
+CDNA3 = Efficiency(
+    gemm=0.55, memory=0.80, attention=0.50,
+    source="assumed: below Hopper's, as public ROCm GEMM and attention microbenchmarks reach a "
+           "smaller share of MI300X's peaks (no published row replayed)")
 LAMBDA = "Lambda on-demand (lambda.ai/pricing), approximate list price"
 RUNPOD = "RunPod Secure Cloud on-demand (runpod.io/pricing), approximate list price"
 
 
 def _gpu(id: str, name: str, tflops: dict[str, float], gb_s: float, gib: float,
          link_gb_s: float, interconnect: str, price: float, price_source: str,
-         price_date: str, sources: tuple[str, ...]) -> Hardware:
+         price_date: str, sources: tuple[str, ...], efficiency: Efficiency) -> Hardware:
     """Peaks in the units datasheets use: TFLOP/s (TOP/s), GB/s, GiB."""
     return Hardware(id, name, "gpu", {k: v * TERA for k, v in tflops.items()}, gb_s * GB_S,
                     gib * GIB, link_gb_s * GB_S, interconnect, price, price_source, price_date,
-                    sources, UNFITTED)
+                    sources, efficiency)
 
 
 _A100_DATASHEET = ("NVIDIA A100 Tensor Core GPU datasheet "
@@ -104,28 +128,28 @@ _GPUS = (
     _gpu("a100-40gb", "NVIDIA A100 40GB SXM4",
          {"fp32": 156, "bf16": 312, "int8": 624, "int4": 1248}, 1555, 40, 300,
          "NVLink 3, 600 GB/s bidirectional (12 links)", 1.29, f"{LAMBDA}, 8x A100 SXM4 40GB "
-         "instance per GPU", "2025-06", (_A100_DATASHEET,)),
+         "instance per GPU", "2025-06", (_A100_DATASHEET,), AMPERE),
     _gpu("a100-80gb", "NVIDIA A100 80GB SXM4",
          {"fp32": 156, "bf16": 312, "int8": 624, "int4": 1248}, 2039, 80, 300,
          "NVLink 3, 600 GB/s bidirectional (12 links)", 1.79, f"{LAMBDA}, 8x A100 SXM4 80GB "
-         "instance per GPU", "2025-06", (_A100_DATASHEET,)),
+         "instance per GPU", "2025-06", (_A100_DATASHEET,), AMPERE),
     _gpu("h100-sxm", "NVIDIA H100 SXM5 80GB",
          {"fp32": 494.7, "bf16": 989.4, "fp8": 1978.9, "int8": 1978.9}, 3350, 80, 450,
          "NVLink 4, 900 GB/s bidirectional (18 links, NVSwitch)", 2.99,
          f"{LAMBDA}, 8x H100 SXM instance per GPU", "2025-06",
-         (_HOPPER_DATASHEET, "NVIDIA H100 Tensor Core GPU Architecture whitepaper, table 3")),
+         (_HOPPER_DATASHEET, "NVIDIA H100 Tensor Core GPU Architecture whitepaper, table 3"), HOPPER),
     _gpu("h100-pcie", "NVIDIA H100 PCIe 80GB",
          {"fp32": 378, "bf16": 756.5, "fp8": 1513, "int8": 1513}, 2000, 80, 64,
          "PCIe Gen5 x16, 128 GB/s bidirectional (an optional NVLink bridge pairs two cards "
          "at 600 GB/s)", 2.49, f"{LAMBDA}, 1x H100 PCIe instance", "2025-06",
          (_HOPPER_DATASHEET + ", H100 PCIe column",
-          "NVIDIA H100 PCIe product brief PB-11133-001_v02")),
+          "NVIDIA H100 PCIe product brief PB-11133-001_v02"), HOPPER),
     _gpu("h200", "NVIDIA H200 SXM 141GB",
          {"fp32": 494.7, "bf16": 989.4, "fp8": 1978.9, "int8": 1978.9}, 4800, 141, 450,
          "NVLink 4, 900 GB/s bidirectional (18 links, NVSwitch)", 3.99,
          f"{RUNPOD}, H200 SXM", "2025-06",
          ("NVIDIA H200 Tensor Core GPU datasheet (nvidia.com/en-us/data-center/h200): H100's "
-          "compute, 141 GB HBM3e at 4.8 TB/s",)),
+          "compute, 141 GB HBM3e at 4.8 TB/s",), HOPPER),
     _gpu("b200", "NVIDIA B200 (HGX, 1,000 W)",
          {"fp32": 1100, "bf16": 2250, "fp8": 4500, "int8": 4500}, 8000, 180, 900,
          "NVLink 5, 1.8 TB/s bidirectional (18 links, NVSwitch)", 4.99,
@@ -133,13 +157,13 @@ _GPUS = (
          ("NVIDIA DGX B200 datasheet: 1,440 GB HBM3e at 64 TB/s for 8 GPUs, "
           "72 PFLOPS FP8 sparse", "NVIDIA HGX B200 specifications (nvidia.com/en-us/data-center/"
           "hgx): per-GPU dense FP4 9, FP8 4.5, BF16 2.25, TF32 1.1 PFLOPS",
-          "glennklockwood.com/garden/processors/B200 (HGX variant table)")),
+          "glennklockwood.com/garden/processors/B200 (HGX variant table)"), BLACKWELL),
     # L40S: the datasheet also quotes INT4 at the INT8 rate; not listed, int4 falls back to
     # int8's peak, the same number.
     _gpu("l40s", "NVIDIA L40S 48GB",
          {"fp32": 183, "bf16": 362.05, "fp8": 733, "int8": 733}, 864, 48, 32,
          "PCIe Gen4 x16, 64 GB/s bidirectional (no NVLink)", 0.86, f"{RUNPOD}, L40S",
-         "2025-06", ("NVIDIA L40S datasheet (nvidia.com/en-us/data-center/l40s)",)),
+         "2025-06", ("NVIDIA L40S datasheet (nvidia.com/en-us/data-center/l40s)",), ADA),
     # GeForce tensor cores run bf16/fp16 and fp8 with fp32 accumulation (what LLM kernels use)
     # at half the rate of fp16 accumulation: 165.2 and 330.3, not 330.3 and 660.6.
     _gpu("rtx-4090", "NVIDIA GeForce RTX 4090 24GB",
@@ -147,7 +171,7 @@ _GPUS = (
          24, 32, "PCIe Gen4 x16, 64 GB/s bidirectional (no NVLink; no GPU peer-to-peer on "
          "GeForce 40)", 0.69, f"{RUNPOD}, RTX 4090", "2025-06",
          ("NVIDIA Ada Lovelace GPU Architecture whitepaper v2.1, appendix A, table 2 "
-          "(GeForce RTX 4090)",)),
+          "(GeForce RTX 4090)",), ADA),
     # AMD quotes 128 GB/s (bidirectional) per Infinity Fabric link; an MI300X in an 8-GPU
     # platform has 7, one to each peer: 896 GB/s bidirectional in all, 448 GB/s out of one
     # GPU across the group (64 GB/s to any single peer).
@@ -157,11 +181,11 @@ _GPUS = (
          "8-GPU platform (896 GB/s aggregate)", 1.85,
          "Vultr on-demand MI300X per GPU (vultr.com/pricing), approximate list price", "2025-06",
          ("AMD Instinct MI300X accelerator data sheet (amd.com/en/products/accelerators/"
-          "instinct/mi300/mi300x.html)", "AMD CDNA 3 architecture whitepaper")),
+          "instinct/mi300/mi300x.html)", "AMD CDNA 3 architecture whitepaper"), CDNA3),
 )
 
 CATALOG: dict[str, Hardware] = {hw.id: hw for hw in _GPUS}
-"""Accelerators by lower-case id. Efficiencies are the defaults until fitted (docs/plan.md)."""
+"""Accelerators by lower-case id; each architecture's `Efficiency` says where it comes from."""
 THIS_CPU = "this-cpu"
 
 
