@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -211,6 +212,15 @@ def config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
         cfg.hidden_act = "gelu_pytorch_tanh"
         cfg.tie_word_embeddings = True
     return cfg
+
+
+def config_from_gguf_header(metadata: dict[str, Any],
+                            tensor_shapes: Mapping[str, Sequence[int]]) -> ModelConfig:
+    """`config_from_gguf` of a file's metadata and its tensor table (shapes in torch order):
+    the table says whether the file has an output head of its own (else it is tied) and the
+    vocabulary's size (the embedding's rows), which the metadata may not."""
+    return config_from_gguf({**metadata, "_has_output_tensor": "output.weight" in tensor_shapes,
+                             "_vocab_size": tensor_shapes["token_embd.weight"][0]})
 
 
 def config_from_hf(path: str | Path) -> ModelConfig:

@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from lifeline.model import registry
-from lifeline.model.config import ModelConfig, config_from_gguf, config_from_hf
+from lifeline.model.config import ModelConfig, config_from_gguf_header, config_from_hf
 from lifeline.model.default import default_model_path, named_model_path
 from lifeline.model.gguf_file import GGUFFile
 from lifeline.model.presets import preset_config
@@ -122,10 +122,7 @@ def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 def load_gguf(path: str | Path, dummy: bool = False) -> LoadedModel:
     gf = GGUFFile(path)
-    meta = dict(gf.metadata)
-    meta["_has_output_tensor"] = "output.weight" in gf
-    meta["_vocab_size"] = gf.tensor_shape("token_embd.weight")[0]
-    cfg = config_from_gguf(meta)
+    cfg = config_from_gguf_header(gf.metadata, {n: gf.tensor_shape(n) for n in gf.tensor_names})
     model = build_model(cfg)
     if dummy:
         init_dummy_weights(model)
