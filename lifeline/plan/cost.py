@@ -211,7 +211,7 @@ class CostModel:
             hw = self.hw
             message = total * self.hidden * act
             per = hw.allreduce_latency_s + 2 * (self.tp - 1) / self.tp * message / \
-                hw.interconnect_bandwidth
+                hw.group_bandwidth(self.tp)
             cost.by_kind["comm"] += 2 * layers * per
         cost.by_kind["overhead"] += self.step_overhead_s + self.seq_overhead_s * len(work)
         cost.seconds = sum(cost.by_kind.values())

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +67,16 @@ class Hardware:
     """Where the peaks come from (datasheets, with their revision)."""
     efficiency: Efficiency = field(default_factory=Efficiency)
     allreduce_latency_s: float = 10e-6
+    link_bandwidth: float | None = None
+    """Bytes/s of one link to one peer (one direction) where GPUs are wired point to point
+    rather than through a switch: a group of n then reaches only (n − 1) links' worth of
+    `interconnect_bandwidth` (MI300X). None: a switch gives every device its full bandwidth."""
+
+    def group_bandwidth(self, n: int) -> float:
+        """Bytes/s one device of a tensor-parallel group of `n` sends to the others."""
+        if self.link_bandwidth is None:
+            return self.interconnect_bandwidth
+        return min(self.interconnect_bandwidth, (n - 1) * self.link_bandwidth)
     """Fixed latency of one all-reduce across the tensor-parallel group."""
 
     def peak_flops(self, dtype: str) -> float:
@@ -184,6 +194,7 @@ _GPUS = (
           "instinct/mi300/mi300x.html)", "AMD CDNA 3 architecture whitepaper"), CDNA3),
 )
 
+_GPUS = tuple(replace(hw, link_bandwidth=64 * GB_S) if hw.id == "mi300x" else hw for hw in _GPUS)
 CATALOG: dict[str, Hardware] = {hw.id: hw for hw in _GPUS}
 """Accelerators by lower-case id; each architecture's `Efficiency` says where it comes from."""
 THIS_CPU = "this-cpu"
