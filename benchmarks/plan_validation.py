@@ -171,7 +171,8 @@ def deployment(row: Row, engine: EngineProfile) -> Deployment:
     if row.kv_free_fraction is not None:
         kv = (hw.memory_bytes - cost.weight_bytes()) * row.kv_free_fraction
     # published runs ran without prefix caching (vLLM 0.5 off by default; random prompts)
-    return Deployment(cost, kv_cache_bytes=kv, enable_prefix_caching=False, **limits)
+    return Deployment(cost, kv_cache_bytes=kv, enable_prefix_caching=False,
+                      request_overhead_s=engine.request_overhead_s or 0.0, **limits)
 
 
 def run_row(row: Row, engine: EngineProfile | None = None) -> dict[str, Any]:

@@ -152,3 +152,12 @@ def test_a_prompt_longer_than_the_context_fails_alone():
     r = run_plan(settings(requests=2, input_tokens=2000, output_tokens=4), d)
     assert r["summary"]["failed"] == 2
     assert r["summary"]["errors"] == {"http_400": 2}
+
+
+def test_a_burst_queues_at_the_front_one_request_at_a_time():
+    """The API front takes requests one at a time (a server's event loop): at rate inf the
+    k-th request reaches the engine k front-times after it was sent."""
+    r = run_plan(settings(rate=math.inf, requests=5, input_tokens=32, output_tokens=2),
+                 deployment())
+    fronts = sorted(rec["server_timings"]["front_ms"] for rec in r["requests"])
+    assert fronts == pytest.approx([2.0, 4.0, 6.0, 8.0, 10.0])

@@ -107,7 +107,8 @@ def deployment_from(args: argparse.Namespace) -> Deployment:
         max_num_batched_tokens=args.max_num_batched_tokens or tokens,
         gpu_memory_utilization=args.gpu_memory_utilization or engine.gpu_memory_utilization,
         enable_prefix_caching=not args.no_prefix_caching, max_model_len=args.max_model_len,
-        kv_cache_bytes=kv_bytes)
+        kv_cache_bytes=kv_bytes,
+        request_overhead_s=None if calibrated else engine.request_overhead_s)
 
 
 def settings_from(args: argparse.Namespace, deployment: Deployment) -> BenchSettings:

@@ -11,6 +11,9 @@ LM head of the rows it samples, tensor-parallel all-reduces and a fixed overhead
 - attention (`attention`): for each new token, QKᵀ and PV over its context (the window on a
   sliding layer; causal inside a prefill chunk); the KV of each request's context read once a
   step and the new tokens' KV written; GQA/MQA read kv_heads' K and V, MLA one latent;
+- elementwise kernels (`elementwise`): norms, residual adds, RoPE and the MLP's activation read
+  and write each token's hidden state, Q/K and intermediate once each, memory-bound (engines
+  fuse some of them, so this is the unfused count);
 - the LM head (`lm_head`) over the rows that sample (a prefill chunk that does not end its
   prompt samples nothing); kept in bf16 when the weights are fp8 or int4, as fp8 and AWQ
   checkpoints leave it;
@@ -32,7 +35,7 @@ from lifeline.plan.hardware import DTYPES, Hardware
 
 BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5 + 2 / 128}
 """Bytes per weight or cached K/V element; int4 carries a bf16 scale per group of 128."""
-KINDS = ("gemm", "moe", "attention", "lm_head", "comm", "overhead")
+KINDS = ("gemm", "moe", "attention", "elementwise", "lm_head", "comm", "overhead")
 
 
 def compute_dtype(weights: str, hw: Hardware) -> str:
@@ -135,6 +138,10 @@ class CostModel:
             self.kv_bytes = 2 * kv_heads * m.head_dim * BYTES[self.kv_dtype]
             self.attn_io = 2 * h + (2 * q + 2 * kv) / tp
         self.attn_params = attn / tp
+        q_k = (m.num_heads * m.head_dim + m.num_kv_heads * m.head_dim) / tp
+        width = max(m.intermediate_size, m.moe_intermediate_size * max(m.num_experts_per_tok, 1))
+        self.elementwise_per_token = 6 * h + 2 * q_k + 3 * width / tp
+        """Elements one token's norms, residuals, RoPE and MLP activation read and write."""
         moe = [i for i in range(m.num_layers) if m.is_moe_layer(i)]
         self.num_moe = len(moe)
         self.num_dense_ffn = m.num_layers - self.num_moe
@@ -195,6 +202,10 @@ class CostModel:
                           / self.tp) * act
             self._op(cost, "moe", flops, params * self.wbytes + io, self.gemm_flops,
                      self.num_moe)
+        cost.by_kind["elementwise"] += (total * self.elementwise_per_token * act
+                                        / self.bandwidth * layers)
+        cost.memory_s += cost.by_kind["elementwise"]
+        cost.bytes += total * self.elementwise_per_token * act * layers
         # attention over each request's context
         kv_write = total * self.kv_bytes
         if self.num_full:

@@ -24,6 +24,8 @@ class EngineProfile:
     gpu_memory_utilization: float = 0.9
     step_overhead_s: float | None = None
     seq_overhead_s: float | None = None
+    request_overhead_s: float | None = None
+    """The API front's time per request, one at a time (None: the device's)."""
     source: str = ""
 
 

@@ -62,6 +62,8 @@ class _Pending:
     measured: bool
     trace: RequestTrace
     engine_request: Request | None = None
+    reached: float = 0.0
+    """When the front handed it to the engine."""
 
 
 class _Load:
@@ -74,7 +76,9 @@ class _Load:
         self.clock = VirtualClock()
         self.engine = deployment.engine(self.clock)
         self.workload, self.on_done = workload, on_done
-        self.front = deployment.cost.hw.efficiency.request_overhead_s
+        self.front = deployment.front_s
+        self.front_free = 0.0
+        """When the API front (one event loop) is next free to take a request."""
         self.rng = random.Random(self.plan.seed)
         self.heap: list[tuple[float, int, str, Any]] = []
         self.order = itertools.count()
@@ -103,16 +107,19 @@ class _Load:
         return next(self.workload)
 
     def send(self, p: _Pending, at: float) -> None:
-        """The request leaves the client at `at` and reaches the engine after the front."""
+        """The request leaves the client at `at` and reaches the engine once the front has
+        taken it in: the front handles one request at a time, so a burst queues there."""
         p.trace.sent = at
         self.in_flight += 1
-        self.push(at + self.front, "arrive", p)
+        self.front_free = max(at, self.front_free) + self.front
+        self.push(self.front_free, "arrive", p)
 
     def arrive(self, p: _Pending) -> None:
         req = p.request
         params = SamplingParams(max_tokens=req.max_tokens, min_tokens=req.max_tokens,
                                 ignore_eos=True, temperature=0)
         rid = f"plan-{next(self.ids)}"
+        p.reached = self.clock.now
         try:
             p.engine_request = self.engine.add_request(list(req.prompt), params, request_id=rid,
                                                        arrival=p.trace.sent)
@@ -250,7 +257,7 @@ class _Load:
             if out.error is not None:
                 p.trace.error = out.error.value
                 p.trace.error_message = f"the engine ended the request: {out.error.value}"
-            p.trace.server_timings = server_timings(req, p.trace.sent, self.front)
+            p.trace.server_timings = server_timings(req, p.trace.sent, p.reached)
             self.finish(p)
 
 
@@ -287,13 +294,14 @@ class CapacityWatch:
                 self.budget_limited_steps += 1
 
 
-def server_timings(req: Request, sent: float, front: float) -> dict[str, float | None] | None:
+def server_timings(req: Request, sent: float, reached: float
+                   ) -> dict[str, float | None] | None:
     """The `timings` a Lifeline server reports for `req` (docs/serve.md), normalised as the
-    bench normalises a real server's."""
+    bench normalises a real server's: the front is from sending to reaching the engine."""
     tl = req.timeline
     if tl.first_token is None:
         return None
-    arrival = sent + front
+    arrival, front = reached, reached - sent
     first_scheduled = tl.first_scheduled if tl.first_scheduled is not None else tl.first_token
     last = tl.token_times[-1] if tl.token_times else tl.first_token
     timings = {"gateway_ms": front * 1e3, "template_ms": 0.0, "tokenize_ms": 0.0,

@@ -114,6 +114,15 @@ class Deployment:
     kv_cache_bytes: float | None = None
     """KV cache per device; None: what `gpu_memory_utilization` leaves after the weights and
     activations."""
+    request_overhead_s: float | None = None
+    """The API front's time per request (None: the device's `Efficiency.request_overhead_s`),
+    spent one request at a time as a server's single event loop does."""
+
+    @property
+    def front_s(self) -> float:
+        if self.request_overhead_s is not None:
+            return self.request_overhead_s
+        return self.cost.hw.efficiency.request_overhead_s
 
     def activation_bytes(self) -> float:
         """A step's peak working memory per device, as vLLM's profiling run finds it to first
