@@ -114,12 +114,14 @@ class _Load:
         self.front_free = max(at, self.front_free) + self.front
         self.push(self.front_free, "arrive", p)
 
-    def arrive(self, p: _Pending) -> None:
+    def arrive(self, p: _Pending, at: float) -> None:
+        """The front hands the request over at `at`; the engine takes it in at its next step
+        (now, if it is idle)."""
         req = p.request
         params = SamplingParams(max_tokens=req.max_tokens, min_tokens=req.max_tokens,
                                 ignore_eos=True, temperature=0)
         rid = f"plan-{next(self.ids)}"
-        p.reached = self.clock.now
+        p.reached = at
         try:
             p.engine_request = self.engine.add_request(list(req.prompt), params, request_id=rid,
                                                        arrival=p.trace.sent)
@@ -218,9 +220,9 @@ class _Load:
         engine, clock = self.engine, self.clock
         while True:
             while self.heap and self.heap[0][0] <= clock.now:
-                _, _, kind, payload = heapq.heappop(self.heap)
+                at, _, kind, payload = heapq.heappop(self.heap)
                 if kind == "arrive":
-                    self.arrive(payload)
+                    self.arrive(payload, at)
                 elif kind == "user":
                     self.user_next(payload, clock.now)
                 else:
