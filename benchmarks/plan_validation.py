@@ -120,7 +120,7 @@ ROWS = [
         {"rate": math.inf, "requests": 320},
         [Metric("output tok/s", out_tok_s, 3356.94, fit=True),
          Metric("requests/s", lambda r: r["summary"]["request_throughput_rps"], 24.16),
-         Metric("mean TTFT ms", vllm_mean_ttft, 778.94),
+         Metric("mean TTFT ms", vllm_mean_ttft, 778.94, fit=True),
          Metric("median TPOT ms", vllm_median_tpot, 28.83),
          Metric("median ITL ms", summary("itl_ms", "p50"), 19.88, fit=True)],
         limits={"max_num_seqs": 256, "max_num_batched_tokens": 8000, "max_model_len": 8000},
@@ -128,7 +128,7 @@ ROWS = [
     Row("vLLM 0.5.4 8B FP8 A100-80GB ShareGPT-320", "LambdaLabsML/vllm-benchmark v0 report",
         "llama-3.1-8b", "a100-80gb", "vllm-0.5", "fp8", "bf16",
         {"rate": math.inf, "requests": 320},
-        [Metric("output tok/s", out_tok_s, 1517.54),
+        [Metric("output tok/s", out_tok_s, 1517.54, fit=True),
          Metric("median ITL ms", summary("itl_ms", "p50"), 42.85)],
         limits={"max_num_seqs": 256, "max_num_batched_tokens": 2048, "max_model_len": 2000},
         replay=SHAREGPT_320),
@@ -158,8 +158,12 @@ def replay_workload(path: Path, vocab: int, seed: int = 0) -> list[BenchRequest]
     return out
 
 
-def deployment(row: Row, engine: EngineProfile) -> Deployment:
+def deployment(row: Row, engine: EngineProfile, hw_fit: dict[str, Any] | None = None
+               ) -> Deployment:
     hw = get_hardware(row.hardware)
+    if hw_fit and row.hardware in hw_fit:
+        hw = replace(hw, efficiency=replace(hw.efficiency,
+                                            gemm_weight_only=hw_fit[row.hardware]))
     model = row.model if isinstance(row.model, ModelConfig) else preset_config(row.model)
     cost = CostModel(model, hw, tp=row.tp, weights=row.weights, kv_dtype=row.kv_dtype,
                      step_overhead_s=engine.step_overhead_s,
@@ -175,9 +179,10 @@ def deployment(row: Row, engine: EngineProfile) -> Deployment:
                       request_overhead_s=engine.request_overhead_s or 0.0, **limits)
 
 
-def run_row(row: Row, engine: EngineProfile | None = None) -> dict[str, Any]:
+def run_row(row: Row, engine: EngineProfile | None = None,
+            hw_fit: dict[str, Any] | None = None) -> dict[str, Any]:
     engine = engine or ENGINES[row.engine]
-    d = deployment(row, engine)
+    d = deployment(row, engine, hw_fit)
     s = BenchSettings(url=f"plan://{row.hardware}", model=d.cost.model.name, warmup=0,
                       **row.settings)
     workload = None
@@ -201,68 +206,75 @@ def errors(row: Row, results: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-FIT_REQUESTS = 8192
-"""Requests of a fitted row during the fit (the 128/128 row's steady state of 4,096 running
-is reached with two batches of them); the table replays every request the source sent."""
-
-
-def _loss(rows: list[Row], engine: EngineProfile) -> float:
+def _loss(rows: list[Row], engine: EngineProfile, hw: dict[str, Any] | None = None) -> float:
     loss = 0.0
     for row in rows:
-        if row.settings.get("requests", 0) > FIT_REQUESTS and row.replay is None:
-            row = replace(row, settings={**row.settings, "requests": FIT_REQUESTS})
-        r = run_row(row, engine)
+        r = run_row(row, engine, hw)
         loss += sum(math.log(m.get(r) / m.published) ** 2 for m in row.metrics if m.fit)
     return loss
 
 
-def fit(console: Console) -> dict[str, EngineProfile]:
-    """Each engine profile's overheads minimising the squared log error of its `fit` metrics
-    (the other metrics stay held out): TensorRT-LLM's step overhead by golden-section search,
-    vLLM 0.5's step and per-sequence overheads on a grid."""
-    fitted = {}
+def golden(f: Callable[[float], float], lo: float, hi: float, evals: int) -> float:
+    """The minimum of a unimodal `f` on [lo, hi] to within the bracket `evals` evaluations
+    leave."""
+    g = (math.sqrt(5) - 1) / 2
+    a, b = hi - g * (hi - lo), lo + g * (hi - lo)
+    fa, fb = f(a), f(b)
+    for _ in range(evals - 2):
+        if fa < fb:
+            hi, b, fb = b, a, fa
+            a = hi - g * (hi - lo)
+            fa = f(a)
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + g * (hi - lo)
+            fb = f(b)
+    return (lo + hi) / 2
+
+
+def fit(console: Console) -> tuple[dict[str, EngineProfile], dict[str, Any]]:
+    """The fitted numbers, each minimising the squared log error of the metrics marked `fit`
+    (every other metric stays held out): TensorRT-LLM's per-sequence overhead (its PyTorch
+    backend's executor is Python), vLLM 0.5's step, per-sequence and front overheads by
+    coordinate descent, and the A100's weight-only (FP8 Marlin) GEMM share."""
+    fitted: dict[str, EngineProfile] = {}
+    hw_fit: dict[str, Any] = {}
     with Progress(console=console, transient=True) as progress:
         rows = [r for r in ROWS if r.engine == "trtllm" and any(m.fit for m in r.metrics)]
         base = ENGINES["trtllm"]
-        task = progress.add_task("fitting trtllm", total=10)
+        task = progress.add_task("fitting trtllm", total=6)
 
-        def f(step: float) -> float:
+        def trt(seq: float) -> float:
             progress.advance(task)
-            return _loss(rows, replace(base, step_overhead_s=step))
+            return _loss(rows, replace(base, seq_overhead_s=seq))
 
-        lo, hi = 0.0, 10e-3
-        g = (math.sqrt(5) - 1) / 2
-        a, b = hi - g * (hi - lo), lo + g * (hi - lo)
-        fa, fb = f(a), f(b)
-        for _ in range(8):
-            if fa < fb:
-                hi, b, fb = b, a, fa
-                a = hi - g * (hi - lo)
-                fa = f(a)
-            else:
-                lo, a, fa = a, b, fb
-                b = lo + g * (hi - lo)
-                fb = f(b)
-        step = (lo + hi) / 2
-        fitted["trtllm"] = replace(base, step_overhead_s=round(step, 5))
-        rows = [r for r in ROWS if r.engine == "vllm-0.5" and any(m.fit for m in r.metrics)]
-        base = ENGINES["vllm-0.5"]
-        steps = [x * 1e-3 for x in (0, 2, 4, 6, 8, 10, 12, 14, 17, 20)]
-        seqs = [x * 1e-6 for x in (0, 10, 20, 30, 40, 60, 80)]
-        task = progress.add_task("fitting vllm-0.5", total=len(steps) * len(seqs))
-        best = None
-        for step in steps:
-            for seq in seqs:
-                trial = replace(base, step_overhead_s=step, seq_overhead_s=seq)
-                loss = _loss(rows, trial)
-                if best is None or loss < best[0]:
-                    best = (loss, trial)
-                progress.advance(task)
-        fitted["vllm-0.5"] = best[1]
-    for name, e in fitted.items():
-        console.print(f"{name}: step_overhead_s={e.step_overhead_s:g} "
-                      f"seq_overhead_s={e.seq_overhead_s:g}")
-    return fitted
+        fitted["trtllm"] = replace(base, seq_overhead_s=round(golden(trt, 0.0, 12e-6, 6), 8))
+        rows = [r for r in ROWS if r.engine == "vllm-0.5" and r.hardware == "h100-sxm"]
+        e = ENGINES["vllm-0.5"]
+        bounds = {"step_overhead_s": (0.0, 30e-3), "seq_overhead_s": (0.0, 100e-6),
+                  "request_overhead_s": (0.0, 5e-3)}
+        task = progress.add_task("fitting vllm-0.5", total=2 * len(bounds) * 7)
+        for _ in range(2):
+            for name, (lo, hi) in bounds.items():
+                def f(x: float, name: str = name) -> float:
+                    progress.advance(task)
+                    return _loss(rows, replace(e, **{name: x}))
+                e = replace(e, **{name: round(golden(f, lo, hi, 7), 7)})
+        fitted["vllm-0.5"] = e
+        rows = [r for r in ROWS if r.engine == "vllm-0.5" and r.hardware == "a100-80gb"]
+        task = progress.add_task("fitting A100 weight-only GEMM", total=8)
+
+        def a100(x: float) -> float:
+            progress.advance(task)
+            return _loss(rows, e, {"a100-80gb": x})
+
+        hw_fit["a100-80gb"] = round(golden(a100, 0.05, 1.0, 8), 3)
+    for name, p in fitted.items():
+        console.print(f"{name}: step_overhead_s={p.step_overhead_s:g} "
+                      f"seq_overhead_s={p.seq_overhead_s:g} "
+                      f"request_overhead_s={p.request_overhead_s or 0:g}")
+    console.print(f"gemm_weight_only: {hw_fit}")
+    return fitted, hw_fit
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -272,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", default=None, help="rows whose name contains this")
     args = p.parse_args(argv)
     console = Console()
-    engines = fit(console) if args.fit else {}
+    engines, hw_fit = fit(console) if args.fit else ({}, {})
     table = Table("row", "metric", "published", "predicted", "error", "", "sim s",
                   title="lifeline plan vs published GPU results")
     out, rows = [], [r for r in ROWS if not args.only or args.only in r.name]
@@ -280,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         task = progress.add_task("rows", total=len(rows))
         for row in rows:
             t0 = time.perf_counter()
-            results = run_row(row, engines.get(row.engine))
+            results = run_row(row, engines.get(row.engine), hw_fit)
             wall = time.perf_counter() - t0
             for e in errors(row, results):
                 err = e["error"]

@@ -47,9 +47,20 @@ def compute_dtype(weights: str, hw: Hardware) -> str:
     return weights
 
 
-def gemm_rate(hw: Hardware, dtype: str) -> float:
-    """Achieved FLOP/s of a compute-bound matrix multiply in `dtype` on `hw`."""
+def weight_only(weights: str, hw: Hardware) -> bool:
+    """Whether `weights` run as a weight-only quantized GEMM on `hw` (int4 on a GPU; fp8 or int8
+    where the device has no tensor throughput of its own for them)."""
+    if weights == "int4":
+        return hw.kind == "gpu"
+    return weights in ("fp8", "int8") and weights not in hw.flops
+
+
+def gemm_rate(hw: Hardware, weights: str) -> float:
+    """Achieved FLOP/s of a compute-bound matrix multiply of `weights` on `hw`."""
     eff = hw.efficiency
+    dtype = compute_dtype(weights, hw)
+    if weight_only(weights, hw) and eff.gemm_weight_only is not None:
+        return hw.peak_flops(dtype) * eff.gemm_weight_only
     return hw.peak_flops(dtype) * eff.gemm_by_dtype.get(dtype, eff.gemm)
 
 
@@ -105,8 +116,8 @@ class CostModel:
         head = weights if weights not in ("fp8", "int4") else "bf16"
         self.head_bytes = BYTES[head]
         # achieved rates
-        self.gemm_flops = gemm_rate(hw, compute_dtype(weights, hw))
-        self.head_flops = gemm_rate(hw, compute_dtype(head, hw))
+        self.gemm_flops = gemm_rate(hw, weights)
+        self.head_flops = gemm_rate(hw, head)
         self.attn_flops = hw.peak_flops(act) * eff.attention
         self.bandwidth = hw.memory_bandwidth * eff.memory
         self._shapes(model)

@@ -26,6 +26,10 @@ class Efficiency:
     gemm_by_dtype: dict[str, float] = field(default_factory=dict)
     """`gemm` for the input dtypes that reach a different share (Hopper's fp8 GEMMs reach less
     of their peak than its bf16 ones)."""
+    gemm_weight_only: float | None = None
+    """`gemm` for weight-only quantized matrix multiplies (the weights dequantized inside the
+    kernel and multiplied at the activations' dtype: int4 AWQ/GPTQ, fp8 on a GPU without fp8
+    tensor cores, as Marlin kernels do); None: `gemm`."""
     memory: float = 0.85
     """Of the peak memory bandwidth, streaming weights and KV cache."""
     attention: float = 0.5
