@@ -100,6 +100,8 @@ def cost_table(c: dict[str, Any]) -> Table:
     table = Table("cost", "value", show_header=False)
     table.add_row("users per GPU", _fmt(c["users_per_gpu"], 2))
     table.add_row("GPUs per user", _fmt(c["gpus_per_user"], 4))
+    if c.get("users_per_dollar_hour") is not None:
+        table.add_row("users per $/hour", _fmt(c["users_per_dollar_hour"], 2))
     table.add_row("output tokens per $", _fmt(c["output_tokens_per_dollar"], 0))
     table.add_row("$ per million output tokens", _fmt(c["dollars_per_million_output_tokens"], 3))
     return table

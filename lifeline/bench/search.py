@@ -146,12 +146,14 @@ async def sweep(settings: BenchSettings, loads: list[float],
 
 def cost(summary: dict[str, Any], users: int | None, cost_per_hour: float,
          gpus: float = 1.0) -> dict[str, float | None]:
-    """Users per GPU, GPUs per user, output tokens per dollar and dollars per million output
-    tokens, at a run's output throughput and `users` concurrent users."""
+    """Users per GPU, GPUs per user, users per dollar-hour, output tokens per dollar and
+    dollars per million output tokens, at a run's output throughput and `users` concurrent
+    users."""
     tok_per_hour = (summary["output_throughput_tok_s"] or 0.0) * 3600
     return {"cost_per_hour": cost_per_hour, "gpus": gpus, "users": users,
             "users_per_gpu": users / gpus if users is not None and gpus else None,
             "gpus_per_user": gpus / users if users else None,
+            "users_per_dollar_hour": users / cost_per_hour if users and cost_per_hour else None,
             "output_tokens_per_dollar": tok_per_hour / cost_per_hour if cost_per_hour else None,
             "dollars_per_million_output_tokens":
                 cost_per_hour / tok_per_hour * 1e6 if tok_per_hour else None}
