@@ -63,7 +63,8 @@ def test_find_max_users_answers_users_at_slo_per_gpu_and_per_dollar(tmp_path):
     assert all(ok for n, ok in met.items() if n <= users)
     cost = r["summary"]["cost"]
     assert cost["users_per_gpu"] == users
-    assert cost["users_per_dollar_hour"] == pytest.approx(users / CATALOG["h100-sxm"].price_per_hour)
+    price = CATALOG["h100-sxm"].price_per_hour
+    assert cost["users_per_dollar_hour"] == pytest.approx(users / price)
     assert cost["cost_per_hour"] == CATALOG["h100-sxm"].price_per_hour
 
 
