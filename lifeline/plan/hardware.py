@@ -103,10 +103,12 @@ HOPPER = Efficiency(
            "bench_fp8_gemm.py); FlashMLA decode streams 3,000 GB/s on H800 SXM5 (90% of 3.35 "
            "TB/s); FlashAttention-3 reaches 740 TFLOP/s bf16 (75%, Shah et al. 2024)")
 AMPERE = Efficiency(
-    gemm=0.72, memory=0.90, attention=0.70,
+    gemm=0.72, gemm_weight_only=0.333, memory=0.90, attention=0.70,
     source="published: cli99/llm-analysis's efficiencies for FasterTransformer on A100 (its "
            "profiled MLP GEMMs reach 72% of peak FLOP/s; 90% of HBM bandwidth); "
-           "FlashAttention-2 reaches up to 73% of A100 peak (Dao 2023)")
+           "FlashAttention-2 reaches up to 73% of A100 peak (Dao 2023); the weight-only (FP8 "
+           "Marlin) GEMM share fitted on LambdaLabs' vLLM 0.5.4 A100 ShareGPT-320 output "
+           "throughput (benchmarks/plan_validation.py --fit, 2026-12-02)")
 BLACKWELL = Efficiency(
     gemm=0.71, gemm_by_dtype={"fp8": 0.64}, memory=0.90, attention=0.75,
     source="assumed: Hopper's shares of peak (no published B200 row replayed yet)")
