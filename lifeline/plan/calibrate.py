@@ -22,7 +22,7 @@ measured, in four parts:
    equally (Nelder-Mead in log space; `fit_steps`). The table printed sets the `CostModel`'s
    own predictions beside the measurements.
 4. Serving: a short `lifeline bench` run (the bench's own code) against a real `lifeline
-   serve` on loopback, at 2 and 8 users with 256-token prompts, is simulated with the fitted
+   serve` on loopback, at 2 users of 256-token prompts and 8 of 64, is simulated with the fitted
    hardware (`run_plan`, the planner itself). What the server adds over the bare engine is
    fitted so the simulation matches: per step and per streamed request (the engine shares two
    cores with the event loop that writes every token's SSE event and with the client reading
@@ -515,7 +515,10 @@ class ServedPoint:
     output_tokens: int = 64
 
 
-SERVED_POINTS = (ServedPoint(2, 10), ServedPoint(8, 24))
+SERVED_POINTS = (ServedPoint(2, 10, 256, 64), ServedPoint(8, 24, 64, 64))
+"""Each point's users prefill in one step (2 × 256 and 8 × 64 tokens of the 512) and decode
+together: TPOT and TTFT then move smoothly with the costs fitted (a closed loop whose prompts
+take several steps shifts between schedules as they change)."""
 QUICK_SERVED_POINTS = (ServedPoint(4, 8, 96, 24),)
 
 
