@@ -22,7 +22,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
+import importlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -50,13 +53,16 @@ class Row:
     requests: int
     input_tokens: int
     output_tokens: int = 128
+    seed: int = 0
+    """Distinct per row: rows share one server, whose prefix cache would hold the prompts of
+    a row with the same seed (the plan, with random ids, has no hits either)."""
 
 
 ROWS = (
-    Row("users1", "1 user, 128/128", 1, 8, 128),
-    Row("users4", "4 users, 128/128", 4, 24, 128),
-    Row("users16", "16 users, 128/128", 16, 64, 128),
-    Row("prompt1024", "1 user, 1,024/128", 1, 6, 1024),
+    Row("users1", "1 user, 128/128", 1, 8, 128, seed=1001),
+    Row("users4", "4 users, 128/128", 4, 24, 128, seed=1002),
+    Row("users16", "16 users, 128/128", 16, 64, 128, seed=1003),
+    Row("prompt1024", "1 user, 1,024/128", 1, 6, 1024, seed=1004),
 )
 
 
@@ -83,7 +89,8 @@ def measure(url: str, row: Row, server_pid: int) -> tuple[dict[str, Any], float]
     from lifeline.bench.run import BenchSettings, run_bench
 
     settings = BenchSettings(url=url, concurrency=row.users, requests=row.requests, warmup=1,
-                             input_tokens=row.input_tokens, output_tokens=row.output_tokens)
+                             input_tokens=row.input_tokens, output_tokens=row.output_tokens,
+                             seed=row.seed)
     meter = ForeignLoad()
     results = asyncio.run(run_bench(settings))
     return results, meter.share((server_pid,))
@@ -97,11 +104,9 @@ def plan(row: Row) -> dict[str, Any]:
     args = ["plan", "--model", str(default_model_path()), "--hardware", "this-cpu",
             "--concurrency", str(row.users), "--requests", str(row.requests), "--warmup", "1",
             "--input-tokens", str(row.input_tokens), "--output-tokens", str(row.output_tokens),
-            "--quiet"]
-    try:
-        from lifeline.plan.hardware import get_hardware  # noqa: F401
-        from lifeline.plan.models import load_plan_model  # noqa: F401
-    except ImportError:
+            "--seed", str(row.seed), "--quiet"]
+    if not (hasattr(importlib.import_module("lifeline.plan.hardware"), "get_hardware")
+            and importlib.util.find_spec("lifeline.plan.models")):
         return _plan_here(row)
     from lifeline.cli import main
 
@@ -125,7 +130,7 @@ def _plan_here(row: Row) -> dict[str, Any]:
 
     settings = BenchSettings(url="plan://this-cpu", concurrency=row.users,
                              requests=row.requests, warmup=1, input_tokens=row.input_tokens,
-                             output_tokens=row.output_tokens)
+                             output_tokens=row.output_tokens, seed=row.seed)
     return run_plan(settings, served_deployment(this_cpu_model(), load_calibrated()))
 
 
@@ -152,8 +157,7 @@ def main() -> int:
     console = Console()
     rows = [r for r in ROWS if r.key in args.rows.split(",")]
     if args.quick:
-        rows = [Row(r.key, r.label, r.users, max(r.users, r.requests // 2), r.input_tokens,
-                    r.output_tokens) for r in rows]
+        rows = [dataclasses.replace(r, requests=max(r.users, r.requests // 2)) for r in rows]
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     wait_quiet()
     if not args.no_calibrate:

@@ -117,6 +117,43 @@ def report_path(path: Path | None = None) -> Path:
     return (path or calibration_path()).with_suffix(".calibration.json")
 
 
+class ForeignLoad:
+    """Cores other processes used since it was made (this one, its reaped children and the
+    pids passed to `share` left out): a busy neighbour makes a measurement slow, and the
+    calibration records how busy the machine was."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.busy = _busy_s() - _own_s()
+
+    def share(self, own_pids: Sequence[int] = ()) -> float:
+        own = _own_s() + sum(_pid_cpu_s(pid) for pid in own_pids)
+        return max(0.0, (_busy_s() - own - self.busy) / (time.perf_counter() - self.start))
+
+
+def _busy_s() -> float:
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split()[1:9]]
+    except (OSError, ValueError):
+        return 0.0
+    return sum(fields[i] for i in (0, 1, 2, 5, 6, 7)) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_s() -> float:
+    import resource
+
+    usage = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(r.ru_utime + r.ru_stime for r in usage)
+
+
+def _pid_cpu_s(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(fields[i]) for i in (11, 12, 13, 14)) / os.sysconf("SC_CLK_TCK")
+
+
 # -- 1. peaks ------------------------------------------------------------------------------------
 
 def _best(fn: Callable[[], Any], repeats: int) -> float:
@@ -513,13 +550,16 @@ class ServedPoint:
     requests: int
     input_tokens: int = 256
     output_tokens: int = 64
+    seed: int = 0
+    """The workload's seed: points measured against one server need distinct ones, or the
+    prompts of one are cached prefixes of another's."""
 
 
-SERVED_POINTS = (ServedPoint(2, 10, 256, 64), ServedPoint(8, 24, 64, 64))
+SERVED_POINTS = (ServedPoint(2, 10, 256, 64, seed=101), ServedPoint(8, 24, 64, 64, seed=102))
 """Each point's users prefill in one step (2 × 256 and 8 × 64 tokens of the 512) and decode
 together: TPOT and TTFT then move smoothly with the costs fitted (a closed loop whose prompts
 take several steps shifts between schedules as they change)."""
-QUICK_SERVED_POINTS = (ServedPoint(4, 8, 96, 24),)
+QUICK_SERVED_POINTS = (ServedPoint(4, 8, 96, 24, seed=103),)
 
 
 def bench_settings(url: str, point: ServedPoint, model: str | None = None) -> BenchSettings:
@@ -527,7 +567,7 @@ def bench_settings(url: str, point: ServedPoint, model: str | None = None) -> Be
 
     return BenchSettings(url=url, model=model, concurrency=point.users,
                          requests=point.requests, warmup=1, input_tokens=point.input_tokens,
-                         output_tokens=point.output_tokens)
+                         output_tokens=point.output_tokens, seed=point.seed)
 
 
 def this_cpu_model() -> ModelConfig:
@@ -589,13 +629,7 @@ def fit_served(model: ModelConfig, hw: Hardware,
                            for (_, m), p in zip(measured, pred)])
         d_ttft = np.array([(m["ttft_ms"] - p["ttft_ms"]) / 1e3
                            for (_, m), p in zip(measured, pred)])
-        if len(set(users)) >= 2:  # TPOT per step ≈ step + users · per request
-            a = np.stack([np.ones_like(users), users], 1)
-            ds, dq = np.linalg.lstsq(a, d_tpot, rcond=None)[0]
-        else:
-            ds, dq = 0.0, float(np.mean(d_tpot / users))
-        step_add = max(step_add + ds, -base.step_overhead_s)
-        seq_add = max(seq_add + dq, -base.seq_overhead_s)
+        step_add, seq_add = _serving_costs(users, d_tpot, step_add, seq_add)
         front = max(0.0, front + float(np.mean(d_ttft)))
         if np.all(np.abs(d_tpot) < 2e-4) and np.all(np.abs(d_ttft) < 2e-3):
             break
@@ -605,6 +639,25 @@ def fit_served(model: ModelConfig, hw: Hardware,
     return dataclasses.replace(hw, efficiency=eff), {
         "step_overhead_added_s": step_add, "seq_overhead_added_s": seq_add,
         "request_overhead_s": front}
+
+
+def _serving_costs(users: np.ndarray, d_tpot: np.ndarray, step_add: float,
+                   seq_add: float) -> tuple[float, float]:
+    """The next (per step, per request) additions. TPOT per token ≈ a step's time, so the
+    additions should explain `target` = what they explain now + what is still missing, as
+    step + users · per request: least squares over the points (one batch size: per request
+    alone), neither negative (serving only adds to the bare engine's work: its event loop and
+    the client share the cores)."""
+    target = d_tpot + step_add + users * seq_add
+    if len(set(users.tolist())) < 2:
+        return 0.0, max(0.0, float(np.mean(target / users)))
+    a = np.stack([np.ones_like(users), users], 1)
+    step_t, seq_t = (float(v) for v in np.linalg.lstsq(a, target, rcond=None)[0])
+    if step_t < 0:
+        step_t, seq_t = 0.0, float(np.sum(users * target) / np.sum(users * users))
+    elif seq_t < 0:
+        step_t, seq_t = float(np.mean(target)), 0.0
+    return max(0.0, step_t), max(0.0, seq_t)
 
 
 class ServeProcess:
@@ -688,11 +741,14 @@ class Calibration:
     served_fit: dict[str, float] = field(default_factory=dict)
     wall_s: float = 0.0
     threads: int = 0
+    foreign_cores: dict[str, float] = field(default_factory=dict)
+    """Cores other processes used while the steps and the served runs were measured."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"hardware": hardware_to_dict(self.hardware),
                 "peaks": dataclasses.asdict(self.peaks),
                 "torch_threads": self.threads, "wall_s": self.wall_s,
+                "foreign_cores": self.foreign_cores,
                 "engine_fit": {"rows": self.engine_fit.rows,
                                "median_abs_error": self.engine_fit.median_abs_error,
                                "weighted_error": self.engine_fit.weighted_error},
@@ -728,7 +784,9 @@ def calibrate(*, quick: bool = False, engine: LLMEngine | None = None, url: str 
     advance = task("engine: loading, compiling", 1)
     engine = engine or served_engine()
     advance()
+    meter = ForeignLoad()
     samples = measure_steps(engine, grid, task("engine steps", grid.items()))
+    foreign = {"engine steps": meter.share()}
     if own:
         del engine
     advance = task("fit", 1)
@@ -743,16 +801,20 @@ def calibrate(*, quick: bool = False, engine: LLMEngine | None = None, url: str 
               f"(int8-all, compiled) fitted")
     hw = dataclasses.replace(hw, efficiency=efficiency_of(params, source=source))
     engine_fit = fit_report(model, hw, samples)
-    cal = Calibration(hw, peaks, samples, engine_fit, threads=threads)
+    cal = Calibration(hw, peaks, samples, engine_fit, threads=threads, foreign_cores=foreign)
     if serve:
         points = QUICK_SERVED_POINTS if quick else SERVED_POINTS
         if url is None:
             advance = task("lifeline serve: loading, compiling", 1)
             with ServeProcess() as server:
                 advance()
+                meter = ForeignLoad()
                 runs = measure_served(server.url, points, progress)
+                foreign["served runs"] = meter.share((server.proc.pid,))
         else:
+            meter = ForeignLoad()
             runs = measure_served(url, points, progress)
+            foreign["served runs"] = meter.share()  # an in-process server counts as ours
         measured_points = [(s, summary_point(r)) for s, r in runs]
         hw, cal.served_fit = fit_served(model, hw, measured_points)
         for settings, point in measured_points:
@@ -771,6 +833,10 @@ def calibrate(*, quick: bool = False, engine: LLMEngine | None = None, url: str 
     return cal
 
 
+FOREIGN_WARN = 0.2
+"""Cores of other processes' work beyond which the calibration warns."""
+
+
 def print_calibration(console: Console, cal: Calibration) -> None:
     from rich.table import Table
 
@@ -784,6 +850,11 @@ def print_calibration(console: Console, cal: Calibration) -> None:
         table.add_row(row["label"], str(row["steps"]), f"{row['measured_ms']:.1f}",
                       f"{row['predicted_ms']:.1f}", f"{row['error']:+.1%}")
     console.print(table)
+    busy = {k: v for k, v in cal.foreign_cores.items() if v > FOREIGN_WARN}
+    if busy:
+        console.print("[yellow]other processes were busy meanwhile ("
+                      + ", ".join(f"{k}: {v:.2f} cores" for k, v in busy.items())
+                      + "): the steps ran slower than this machine alone runs them[/]")
     console.print(f"fit error: median |error| of a step {cal.engine_fit.median_abs_error:.1%}, "
                   f"RMS of the shapes' means {cal.engine_fit.weighted_error:.1%}")
     fit = Table("parameter", "value", title="fitted")
