@@ -126,15 +126,15 @@ def quick(tmp_path_factory):
 
     loaded = load_model()
     engine = LLMEngine(loaded, EngineConfig(weights="int8-all", compile=False))
-    model = cal.this_cpu_model()
+    model = loaded.config
     result = cal.calibrate(quick=True, engine=engine, serve=False, model=model)
     del engine
     # the model is int8-all already: the server's engine takes it as it is
     with ServerThread(loaded, ServerConfig(engine=EngineConfig(weights="fp32"))) as server:
-        runs = cal.measure_served(server.url + "/v1", cal.QUICK_SERVED_POINTS)
+        runs = cal.measure_served(server.base_url + "/v1", cal.QUICK_SERVED_POINTS)
         points = [(s, cal.summary_point(r)) for s, r in runs]
         hw, found = cal.fit_served(model, result.hardware, points)
-        check = cal.measure_served(server.url + "/v1", (CHECK,))[0]
+        check = cal.measure_served(server.base_url + "/v1", (CHECK,))[0]
     yield model, result, hw, found, check
 
 

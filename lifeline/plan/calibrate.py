@@ -67,6 +67,7 @@ if TYPE_CHECKING:
     from lifeline.plan.sim import Deployment
 
 HARDWARE_ID = "this-cpu"
+DEFAULT_NAME = "gemma-3-270m"
 WEIGHTS, KV_DTYPE = "int8", "fp32"
 """How the planner prices `lifeline serve`'s defaults: `int8-all` weights, float32 KV."""
 SERVED = {"weights": "int8-all", "compile": True, "max_num_seqs": 64,
@@ -581,8 +582,7 @@ def this_cpu_model() -> ModelConfig:
     meta["_has_output_tensor"] = "output.weight" in gf
     meta["_vocab_size"] = gf.tensor_shape("token_embd.weight")[0]
     cfg = config_from_gguf(meta)
-    cfg.name = cfg.name or "gemma-3-270m"
-    return cfg
+    return dataclasses.replace(cfg, name=cfg.name or DEFAULT_NAME)
 
 
 def served_deployment(model: ModelConfig, hw: Hardware) -> Deployment:
@@ -768,7 +768,6 @@ def calibrate(*, quick: bool = False, engine: LLMEngine | None = None, url: str 
     import torch
 
     t0 = time.perf_counter()
-    model = model or this_cpu_model()
 
     def task(name: str, total: int) -> Callable[[], None]:
         if progress is None:
@@ -784,6 +783,9 @@ def calibrate(*, quick: bool = False, engine: LLMEngine | None = None, url: str 
     advance = task("engine: loading, compiling", 1)
     engine = engine or served_engine()
     advance()
+    if model is None:  # the GGUF's config, as `lifeline plan --model FILE.gguf` reads it
+        model = dataclasses.replace(engine.model_config,
+                                    name=engine.model_config.name or DEFAULT_NAME)
     meter = ForeignLoad()
     samples = measure_steps(engine, grid, task("engine steps", grid.items()))
     foreign = {"engine steps": meter.share()}
