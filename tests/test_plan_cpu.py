@@ -84,11 +84,13 @@ def test_served_fit_recovers_the_servers_own_costs(model):
     bare = cal.peak_hardware(PEAKS, TRUE)
     served = dataclasses.replace(bare, efficiency=dataclasses.replace(
         TRUE, step_overhead_s=TRUE.step_overhead_s + 0.002,
-        seq_overhead_s=TRUE.seq_overhead_s + 0.0015, request_overhead_s=0.012))
+        seq_overhead_s=TRUE.seq_overhead_s + 0.0015, request_overhead_s=0.012,
+        request_serial_s=0.001))
+    loads = (cal.ServedPoint(1, 3, 64, 16), cal.ServedPoint(2, 6, 256, 32),
+             cal.ServedPoint(12, 24, 40, 32))  # SERVED_POINTS, smaller
     points = [(cal.bench_settings("plan://x", p), cal.summary_point(
-        cal.simulate(cal.bench_settings("plan://x", p), model, served)))
-        for p in cal.SERVED_POINTS]
-    fitted, found = cal.fit_served(model, bare, points)
+        cal.simulate(cal.bench_settings("plan://x", p), model, served))) for p in loads]
+    fitted, found = cal.fit_served(model, bare, points, serial_s=0.001)
     assert found["step_overhead_added_s"] == pytest.approx(0.002, rel=0.1, abs=2e-4)
     assert found["seq_overhead_added_s"] == pytest.approx(0.0015, rel=0.1)
     assert found["request_overhead_s"] == pytest.approx(0.012, rel=0.1, abs=1e-3)
@@ -110,8 +112,8 @@ def test_a_missing_calibration_says_how_to_make_one(tmp_path, monkeypatch):
 
 # -- the real engine and a real server ----------------------------------------------------------
 
-CHECK = cal.ServedPoint(users=2, requests=6, input_tokens=160, output_tokens=40)
-"""A load point the quick calibration (4 users, 96/24) did not see."""
+CHECK = cal.ServedPoint(users=2, requests=6, input_tokens=160, output_tokens=40, seed=7)
+"""A load point the quick calibration (1 user 48/12, 4 users 96/24) did not see."""
 
 
 @pytest.fixture(scope="module")
@@ -133,7 +135,8 @@ def quick(tmp_path_factory):
     with ServerThread(loaded, ServerConfig(engine=EngineConfig(weights="fp32"))) as server:
         runs = cal.measure_served(server.base_url + "/v1", cal.QUICK_SERVED_POINTS)
         points = [(s, cal.summary_point(r)) for s, r in runs]
-        hw, found = cal.fit_served(model, result.hardware, points)
+        hw, found = cal.fit_served(model, result.hardware, points,
+                                   serial_s=cal.server_front_s([r for _, r in runs]))
         check = cal.measure_served(server.base_url + "/v1", (CHECK,))[0]
     yield model, result, hw, found, check
 

@@ -22,12 +22,13 @@ measured, in four parts:
    equally (Nelder-Mead in log space; `fit_steps`). The table printed sets the `CostModel`'s
    own predictions beside the measurements.
 4. Serving: a short `lifeline bench` run (the bench's own code) against a real `lifeline
-   serve` on loopback, at 2 users of 256-token prompts and 8 of 64, is simulated with the fitted
+   serve` on loopback, at 1 user of 64-token prompts, 2 of 256 and 12 of 40, is simulated with the fitted
    hardware (`run_plan`, the planner itself). What the server adds over the bare engine is
    fitted so the simulation matches: per step and per streamed request (the engine shares two
    cores with the event loop that writes every token's SSE event and with the client reading
    it) from TPOT, and `request_overhead_s` (HTTP, tokenizer, the first event's delivery) from
-   TTFT. These load points differ from `benchmarks/plan_vs_bench.py`'s validation.
+   TTFT (the front is one thread, so requests sent together reach the engine one front
+   apart, as `lifeline.plan.run` simulates them). These load points differ from `benchmarks/plan_vs_bench.py`'s validation.
 
 The hardware is saved where `--hardware this-cpu` finds it (`calibration_path()`), the
 measurements and the fit beside it (`*.calibration.json`).
@@ -239,14 +240,16 @@ class StepGrid:
 
 
 FULL_GRID = StepGrid(
-    prefill=(32, 64, 128, 256, 384, 512), repeats=2, long_prompts=(1024,),
+    prefill=(32, 64, 128, 256, 384, 512), repeats=3, long_prompts=(1024,),
     batched_prefill=((4, 128), (2, 256), (8, 48)),
-    decode=((1, 64), (1, 1024), (2, 128), (4, 128), (4, 512), (8, 64), (8, 256), (16, 128),
-            (16, 256), (32, 64)),
-    decode_steps=6)
+    decode=((1, 64), (1, 1024), (2, 128), (4, 128), (4, 512), (6, 96), (8, 64), (8, 256),
+            (12, 96), (16, 128), (24, 64), (32, 48)),
+    decode_steps=10)
+"""On two cores one step of a shape varies by ±25% from the next (docs/plan.md): ten decode
+steps of each batch and three prefills of each length."""
 QUICK_GRID = StepGrid(
-    prefill=(48, 200, 512), repeats=1, long_prompts=(), batched_prefill=((4, 64),),
-    decode=((1, 48), (4, 96), (12, 32)), decode_steps=4)
+    prefill=(48, 200, 512), repeats=2, long_prompts=(), batched_prefill=((4, 64),),
+    decode=((1, 48), (4, 96), (12, 32)), decode_steps=8)
 
 
 class _Recorder:
@@ -327,8 +330,11 @@ def measure_steps(engine: LLMEngine, grid: StepGrid, on_item: Callable[[], None]
                 add(n, 1)
             run(f"prefill {count}×{n}")
         for batch, n in grid.decode:
+            # the first prefilled decode while the others prefill: enough tokens that all
+            # decode together for `decode_steps` steps
+            prefill_steps = -(-batch * n // engine.config.max_num_batched_tokens) + 1
             for _ in range(batch):
-                add(n, grid.decode_steps + 1)
+                add(n, grid.decode_steps + prefill_steps)
             run(decode_label(batch, n))
     finally:
         engine.executor = inner
@@ -394,7 +400,11 @@ def peak_hardware(peaks: Peaks, efficiency: Efficiency | None = None) -> Hardwar
         price_date=datetime.now(UTC).date().isoformat(),
         sources=("lifeline plan calibrate: the engine's int8 GEMM (512×2048×2048), a float32 "
                  "matmul (1024³) and a 512 MiB read, timed on this machine",),
-        efficiency=efficiency or Efficiency(1.0, 1.0, 1.0, 0.0, 0.0, 0.0, "peaks only"))
+        efficiency=efficiency or _UNIT)
+
+
+_UNIT = Efficiency(gemm=1.0, memory=1.0, attention=1.0, step_overhead_s=0.0,
+                   seq_overhead_s=0.0, request_overhead_s=0.0, source="peaks only")
 
 
 def cpu_name() -> tuple[str, int]:
@@ -410,7 +420,7 @@ def cpu_name() -> tuple[str, int]:
 
 def step_terms(model: ModelConfig, hw: Hardware, samples: Sequence[StepSample]) -> StepTerms:
     """The ops of every sample under the cost model, on `hw`'s peaks."""
-    peak = dataclasses.replace(hw, efficiency=Efficiency(1.0, 1.0, 1.0, 0.0, 0.0, 0.0))
+    peak = dataclasses.replace(hw, efficiency=_UNIT)
     log = _OpLog(model, peak, weights=WEIGHTS, kv_dtype=KV_DTYPE)
     idx: list[int] = []
     for i, s in enumerate(samples):
@@ -556,11 +566,15 @@ class ServedPoint:
     prompts of one are cached prefixes of another's."""
 
 
-SERVED_POINTS = (ServedPoint(2, 10, 256, 64, seed=101), ServedPoint(8, 24, 64, 64, seed=102))
-"""Each point's users prefill in one step (2 × 256 and 8 × 64 tokens of the 512) and decode
-together: TPOT and TTFT then move smoothly with the costs fitted (a closed loop whose prompts
-take several steps shifts between schedules as they change)."""
-QUICK_SERVED_POINTS = (ServedPoint(4, 8, 96, 24, seed=103),)
+SERVED_POINTS = (ServedPoint(1, 6, 64, 16, seed=100), ServedPoint(2, 10, 256, 64, seed=101),
+                 ServedPoint(12, 36, 40, 64, seed=102))
+"""Each point's prompts fit one step (64, 2 × 256 and 12 × 40 tokens of the 512): TPOT and
+TTFT then move smoothly with the costs fitted (a closed loop whose prompts take several steps
+shifts between schedules as they change). Batch sizes far apart separate the per-step from the
+per-request cost; one user finds the engine idle at each arrival, so its TTFT holds the whole
+front (with more users a request mostly arrives during a step and waits for its end whatever
+the front). None is a load of benchmarks/plan_vs_bench.py."""
+QUICK_SERVED_POINTS = (ServedPoint(1, 3, 48, 12, seed=103), ServedPoint(4, 8, 96, 24, seed=104))
 
 
 def bench_settings(url: str, point: ServedPoint, model: str | None = None) -> BenchSettings:
@@ -603,6 +617,15 @@ def summary_point(results: dict[str, Any]) -> dict[str, float]:
             "output_tok_s": s["output_throughput_tok_s"]}
 
 
+def server_front_s(results: Sequence[dict[str, Any]]) -> float:
+    """The median front time (gateway, template, tokenizer) the server reported for its
+    requests: the part of the request overhead on its event loop."""
+    fronts = [(r.get("server_timings") or {}).get("front_ms") for res in results
+              for r in res["requests"]]
+    fronts = [f for f in fronts if f is not None]
+    return float(np.median(fronts)) / 1e3 if fronts else 0.0
+
+
 def simulate(settings: BenchSettings, model: ModelConfig, hw: Hardware) -> dict[str, Any]:
     from lifeline.plan.run import run_plan
 
@@ -611,34 +634,74 @@ def simulate(settings: BenchSettings, model: ModelConfig, hw: Hardware) -> dict[
 
 def fit_served(model: ModelConfig, hw: Hardware,
                measured: Sequence[tuple[BenchSettings, dict[str, float]]],
-               iterations: int = 6) -> tuple[Hardware, dict[str, float]]:
-    """`hw` with what serving adds: per step and per request in a step (from TPOT at two or
-    more batch sizes; with one point, per request alone) and per request before its first
-    step (from TTFT), iterated on the planner's own simulation of each load point until its
-    TPOT and TTFT p50 match the measured ones."""
+               serial_s: float = 0.0, iterations: int = 6) -> tuple[Hardware, dict[str, float]]:
+    """`hw` with what serving adds, fitted on the planner's own simulation of each load point:
+    per step and per request in a step from TPOT p50 (two or more batch sizes; with one, per
+    request alone), iterated until the simulated TPOT matches; then `request_overhead_s`, the
+    front each request passes before the engine, from TTFT p50 (a golden-section search: TTFT
+    is not linear in it, since a request that just misses a step waits for the whole step).
+    `serial_s`: the front's part on the server's event loop (`Efficiency.request_serial_s`,
+    what the server reports as its own front time), which staggers requests sent together."""
     base = hw.efficiency
-    step_add = seq_add = front = 0.0
     users = np.array([s.concurrency for s, _ in measured], dtype=float)
-    for _ in range(iterations):
-        eff = dataclasses.replace(base, step_overhead_s=base.step_overhead_s + step_add,
-                                  seq_overhead_s=base.seq_overhead_s + seq_add,
-                                  request_overhead_s=front)
-        trial = dataclasses.replace(hw, efficiency=eff)
-        pred = [summary_point(simulate(s, model, trial)) for s, _ in measured]
-        d_tpot = np.array([(m["tpot_ms"] - p["tpot_ms"]) / 1e3
-                           for (_, m), p in zip(measured, pred)])
-        d_ttft = np.array([(m["ttft_ms"] - p["ttft_ms"]) / 1e3
-                           for (_, m), p in zip(measured, pred)])
-        step_add, seq_add = _serving_costs(users, d_tpot, step_add, seq_add)
-        front = max(0.0, front + float(np.mean(d_ttft)))
-        if np.all(np.abs(d_tpot) < 2e-4) and np.all(np.abs(d_ttft) < 2e-3):
-            break
-    eff = dataclasses.replace(base, step_overhead_s=base.step_overhead_s + step_add,
-                              seq_overhead_s=base.seq_overhead_s + seq_add,
-                              request_overhead_s=front)
-    return dataclasses.replace(hw, efficiency=eff), {
+    step_add = seq_add = 0.0
+    front = serial_s
+
+    def trial(step_add: float, seq_add: float, front: float) -> Hardware:
+        return dataclasses.replace(hw, efficiency=dataclasses.replace(
+            base, step_overhead_s=base.step_overhead_s + step_add,
+            seq_overhead_s=base.seq_overhead_s + seq_add, request_overhead_s=front,
+            request_serial_s=serial_s))
+
+    def predict(h: Hardware) -> list[dict[str, float]]:
+        return [summary_point(simulate(s, model, h)) for s, _ in measured]
+
+    def ttft_error(front: float) -> float:
+        pred = predict(trial(step_add, seq_add, front))
+        return float(sum(math.log(p["ttft_ms"] / m["ttft_ms"]) ** 2
+                         for (_, m), p in zip(measured, pred)))
+
+    def fit_tpot(step_add: float, seq_add: float, front: float) -> tuple[float, float]:
+        for _ in range(iterations):
+            pred = predict(trial(step_add, seq_add, front))
+            d_tpot = np.array([(m["tpot_ms"] - p["tpot_ms"]) / 1e3
+                               for (_, m), p in zip(measured, pred)])
+            if np.all(np.abs(d_tpot) < 5e-5):
+                break
+            step_add, seq_add = _serving_costs(users, d_tpot, step_add, seq_add)
+        return step_add, seq_add
+
+    # TPOT hardly moves with the front; TTFT does with the step costs
+    step_add, seq_add = fit_tpot(step_add, seq_add, front)
+    for _ in range(2):
+        front = golden_section(ttft_error, serial_s, MAX_FRONT_S)
+        step_add, seq_add = fit_tpot(step_add, seq_add, front)
+    return trial(step_add, seq_add, front), {
         "step_overhead_added_s": step_add, "seq_overhead_added_s": seq_add,
-        "request_overhead_s": front}
+        "request_overhead_s": front, "request_serial_s": serial_s}
+
+
+MAX_FRONT_S = 0.25
+"""The longest front the search considers."""
+
+
+def golden_section(f: Callable[[float], float], lo: float, hi: float,
+                   tol: float = 1e-3) -> float:
+    """A minimum of `f` on [lo, hi] (unimodal there, or one of its local minima)."""
+    ratio = (math.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    c, d = b - ratio * (b - a), a + ratio * (b - a)
+    fc, fd = f(c), f(d)
+    while b - a > tol:
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - ratio * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + ratio * (b - a)
+            fd = f(d)
+    return (a + b) / 2
 
 
 def _serving_costs(users: np.ndarray, d_tpot: np.ndarray, step_add: float,
@@ -818,7 +881,8 @@ def calibrate(*, quick: bool = False, engine: LLMEngine | None = None, url: str 
             runs = measure_served(url, points, progress)
             foreign["served runs"] = meter.share()  # an in-process server counts as ours
         measured_points = [(s, summary_point(r)) for s, r in runs]
-        hw, cal.served_fit = fit_served(model, hw, measured_points)
+        hw, cal.served_fit = fit_served(model, hw, measured_points,
+                                        serial_s=server_front_s([r for _, r in runs]))
         for settings, point in measured_points:
             sim = summary_point(simulate(settings, model, hw))
             cal.served.append({"users": settings.concurrency,
@@ -866,8 +930,10 @@ def print_calibration(console: Console, cal: Calibration) -> None:
     fit.add_row("step_overhead_s", f"{e.step_overhead_s * 1e3:.2f} ms")
     fit.add_row("seq_overhead_s", f"{e.seq_overhead_s * 1e3:.3f} ms")
     fit.add_row("request_overhead_s", f"{e.request_overhead_s * 1e3:.2f} ms")
+    fit.add_row("  of which the event loop's: request_serial_s",
+                f"{e.request_serial_s * 1e3:.2f} ms")
     for k, v in cal.served_fit.items():
-        if k != "request_overhead_s":
+        if k.endswith("_added_s"):
             fit.add_row(f"  of which serving: {k.removesuffix('_added_s')}", f"{v * 1e3:+.3f} ms")
     console.print(fit)
     if cal.served:

@@ -62,6 +62,8 @@ class _Pending:
     measured: bool
     trace: RequestTrace
     engine_request: Request | None = None
+    reached: float = 0.0
+    """When it reaches the engine (past the front)."""
 
 
 class _Load:
@@ -74,7 +76,11 @@ class _Load:
         self.clock = VirtualClock()
         self.engine = deployment.engine(self.clock)
         self.workload, self.on_done = workload, on_done
-        self.front = deployment.cost.hw.efficiency.request_overhead_s
+        eff = deployment.cost.hw.efficiency
+        self.front = eff.request_overhead_s
+        self.serial = min(eff.request_serial_s, self.front)
+        self.front_free = 0.0
+        """When the server's front thread (its event loop) is next free."""
         self.rng = random.Random(self.plan.seed)
         self.heap: list[tuple[float, int, str, Any]] = []
         self.order = itertools.count()
@@ -103,10 +109,15 @@ class _Load:
         return next(self.workload)
 
     def send(self, p: _Pending, at: float) -> None:
-        """The request leaves the client at `at` and reaches the engine after the front."""
+        """The request leaves the client at `at` and reaches the engine after the front. Its
+        serial part (`Efficiency.request_serial_s`: the server's one event loop) takes one
+        request at a time, so requests sent together reach the engine that far apart."""
         p.trace.sent = at
         self.in_flight += 1
-        self.push(at + self.front, "arrive", p)
+        arrive = max(at + self.front - self.serial, self.front_free) + self.serial
+        self.front_free = arrive
+        p.reached = arrive
+        self.push(arrive, "arrive", p)
 
     def arrive(self, p: _Pending) -> None:
         req = p.request
@@ -250,7 +261,7 @@ class _Load:
             if out.error is not None:
                 p.trace.error = out.error.value
                 p.trace.error_message = f"the engine ended the request: {out.error.value}"
-            p.trace.server_timings = server_timings(req, p.trace.sent, self.front)
+            p.trace.server_timings = server_timings(req, p.trace.sent, p.reached - p.trace.sent)
             self.finish(p)
 
 
