@@ -27,6 +27,7 @@ import datetime
 import importlib
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import ForeignLoad, machine
+from common import machine
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -69,6 +70,8 @@ ROWS = (
 def wait_quiet(limit: float = 0.25, window_s: float = 5.0, patience_s: float = 600.0) -> float:
     """Wait (up to `patience_s`) until other processes use less than `limit` cores over
     `window_s`; their share over the last window."""
+    from lifeline.plan.calibrate import ForeignLoad
+
     deadline = time.monotonic() + patience_s
     while True:
         meter = ForeignLoad()
@@ -82,18 +85,19 @@ def wait_quiet(limit: float = 0.25, window_s: float = 5.0, patience_s: float = 6
 def calibrate(quick: bool) -> None:
     cmd = [sys.executable, "-m", "lifeline.cli", "plan", "calibrate", *(["--quick"] if quick
                                                                          else [])]
-    subprocess.run(cmd, check=True, cwd=ROOT)
+    subprocess.run(cmd, check=True, cwd=ROOT, env={**os.environ, "COLUMNS": "150"})
 
 
 def measure(url: str, row: Row, server_pid: int) -> tuple[dict[str, Any], float]:
     from lifeline.bench.run import BenchSettings, run_bench
+    from lifeline.plan.calibrate import ForeignLoad
 
     settings = BenchSettings(url=url, concurrency=row.users, requests=row.requests, warmup=1,
                              input_tokens=row.input_tokens, output_tokens=row.output_tokens,
                              seed=row.seed)
-    meter = ForeignLoad()
+    meter = ForeignLoad((server_pid,))
     results = asyncio.run(run_bench(settings))
-    return results, meter.share((server_pid,))
+    return results, meter.share()
 
 
 def plan(row: Row) -> dict[str, Any]:
@@ -154,7 +158,7 @@ def main() -> int:
 
     from lifeline.plan.calibrate import ServeProcess, load_calibrated, report_path
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 150)
     rows = [r for r in ROWS if r.key in args.rows.split(",")]
     if args.quick:
         rows = [dataclasses.replace(r, requests=max(r.users, r.requests // 2)) for r in rows]

@@ -120,17 +120,21 @@ def report_path(path: Path | None = None) -> Path:
 
 
 class ForeignLoad:
-    """Cores other processes used since it was made (this one, its reaped children and the
-    pids passed to `share` left out): a busy neighbour makes a measurement slow, and the
-    calibration records how busy the machine was."""
+    """Cores other processes used since it was made (this one, its reaped children and
+    `own_pids`, such as a server it started, left out): a busy neighbour makes a measurement
+    slow, and the calibration records how busy the machine was."""
 
-    def __init__(self) -> None:
+    def __init__(self, own_pids: Sequence[int] = ()) -> None:
+        self.pids = tuple(own_pids)
         self.start = time.perf_counter()
-        self.busy = _busy_s() - _own_s()
+        self.busy = _busy_s() - self._own()
 
-    def share(self, own_pids: Sequence[int] = ()) -> float:
-        own = _own_s() + sum(_pid_cpu_s(pid) for pid in own_pids)
-        return max(0.0, (_busy_s() - own - self.busy) / (time.perf_counter() - self.start))
+    def _own(self) -> float:
+        return _own_s() + sum(_pid_cpu_s(pid) for pid in self.pids)
+
+    def share(self) -> float:
+        return max(0.0, (_busy_s() - self._own() - self.busy)
+                   / (time.perf_counter() - self.start))
 
 
 def _busy_s() -> float:
@@ -873,9 +877,9 @@ def calibrate(*, quick: bool = False, engine: LLMEngine | None = None, url: str 
             advance = task("lifeline serve: loading, compiling", 1)
             with ServeProcess() as server:
                 advance()
-                meter = ForeignLoad()
+                meter = ForeignLoad((server.proc.pid,))
                 runs = measure_served(server.url, points, progress)
-                foreign["served runs"] = meter.share((server.proc.pid,))
+                foreign["served runs"] = meter.share()
         else:
             meter = ForeignLoad()
             runs = measure_served(url, points, progress)
