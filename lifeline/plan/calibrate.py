@@ -237,23 +237,28 @@ class StepGrid:
     """(batch, prompt tokens): the batch prefills (mixed steps), then decodes together."""
     decode_steps: int
     """Decode steps timed once the whole batch decodes."""
+    passes: int = 1
+    """Times the grid is run, each pass in its own shuffled order (`repeats` and
+    `decode_steps` are per pass)."""
 
     def items(self) -> int:
-        return (1 + len(self.prefill) * self.repeats + len(self.long_prompts)
-                + len(self.batched_prefill) + len(self.decode))
+        return 1 + self.passes * (len(self.prefill) * self.repeats + len(self.long_prompts)
+                                  + len(self.batched_prefill) + len(self.decode))
 
 
 FULL_GRID = StepGrid(
-    prefill=(32, 64, 128, 256, 384, 512), repeats=3, long_prompts=(1024,),
+    prefill=(32, 64, 128, 256, 384, 512), repeats=2, long_prompts=(1024,),
     batched_prefill=((4, 128), (2, 256), (8, 48)),
-    decode=((1, 64), (1, 1024), (2, 128), (4, 128), (4, 512), (6, 96), (8, 64), (8, 256),
-            (12, 96), (16, 128), (24, 64), (32, 48)),
-    decode_steps=10)
-"""On two cores one step of a shape varies by ±25% from the next (docs/plan.md): ten decode
-steps of each batch and three prefills of each length."""
+    decode=((1, 64), (1, 256), (1, 1024), (2, 128), (4, 128), (4, 512), (6, 96), (8, 64),
+            (8, 256), (12, 96), (16, 128), (24, 64), (32, 48)),
+    decode_steps=6, passes=2)
+"""On this machine a step of one shape varies by ±25% from the next and the machine's speed
+drifts by as much over tens of seconds (docs/plan.md): two passes in shuffled orders, so a slow
+spell spreads over shapes instead of bending the fit, of twelve decode steps of each batch and
+four prefills of each length in all."""
 QUICK_GRID = StepGrid(
-    prefill=(48, 200, 512), repeats=2, long_prompts=(), batched_prefill=((4, 64),),
-    decode=((1, 48), (4, 96), (12, 32)), decode_steps=8)
+    prefill=(48, 200, 512), repeats=1, long_prompts=(), batched_prefill=((4, 64),),
+    decode=((1, 48), (4, 96), (12, 32)), decode_steps=4, passes=2)
 
 
 class _Recorder:
@@ -319,27 +324,33 @@ def measure_steps(engine: LLMEngine, grid: StepGrid, on_item: Callable[[], None]
             return f"decode {batch}@{n}" if len(s.work) == batch else None
         return name
 
+    def prefill(prompts: list[int], label: str) -> None:
+        for n in prompts:
+            add(n, 1)
+        run(label)
+
+    def decode(batch: int, n: int) -> None:
+        # the first prefilled decode while the others prefill: enough tokens that all decode
+        # together for `decode_steps` steps
+        prefill_steps = -(-batch * n // engine.config.max_num_batched_tokens) + 1
+        for _ in range(batch):
+            add(n, grid.decode_steps + prefill_steps)
+        run(decode_label(batch, n))
+
     try:
         add(16, 2)  # after the engine's own warm-up: settle the allocator and the threads
         run(lambda s: None)
+        items: list[Callable[[], None]] = []
         for _ in range(grid.repeats):
-            for n in grid.prefill:
-                add(n, 1)
-                run(f"prefill {n}")
-        for n in grid.long_prompts:
-            add(n, 1)
-            run(f"prefill {n} (chunked)")
-        for count, n in grid.batched_prefill:
-            for _ in range(count):
-                add(n, 1)
-            run(f"prefill {count}×{n}")
-        for batch, n in grid.decode:
-            # the first prefilled decode while the others prefill: enough tokens that all
-            # decode together for `decode_steps` steps
-            prefill_steps = -(-batch * n // engine.config.max_num_batched_tokens) + 1
-            for _ in range(batch):
-                add(n, grid.decode_steps + prefill_steps)
-            run(decode_label(batch, n))
+            items += [lambda n=n: prefill([n], f"prefill {n}") for n in grid.prefill]
+        items += [lambda n=n: prefill([n], f"prefill {n} (chunked)") for n in grid.long_prompts]
+        items += [lambda c=c, n=n: prefill([n] * c, f"prefill {c}×{n}")
+                  for c, n in grid.batched_prefill]
+        items += [lambda b=b, n=n: decode(b, n) for b, n in grid.decode]
+        for _ in range(grid.passes):
+            rng.shuffle(items)
+            for item in items:
+                item()
     finally:
         engine.executor = inner
     return samples
