@@ -138,6 +138,18 @@ def _plan_here(row: Row) -> dict[str, Any]:
     return run_plan(settings, served_deployment(this_cpu_model(), load_calibrated()))
 
 
+def probe(calibrated: dict[str, float] | None) -> dict[str, float]:
+    """The calibration's peak kernels again (a few seconds, the server idle): this machine's
+    speed now against the calibration's, since it drifts (docs/plan.md)."""
+    from lifeline.plan.calibrate import measure_peaks
+
+    if not calibrated:
+        return {}
+    now = measure_peaks(3)
+    return {"int8 GEMM": now.int8_ops / calibrated["int8_ops"],
+            "read": now.bandwidth / calibrated["bandwidth"]}
+
+
 def point(results: dict[str, Any]) -> dict[str, float]:
     from lifeline.plan.calibrate import summary_point
 
@@ -171,9 +183,14 @@ def main() -> int:
     if out_dir:
         out_dir.mkdir(parents=True, exist_ok=True)
     records = []
+    calibrated = json.loads(report_path().read_text())["peaks"] if report_path().exists() \
+        else None
     with ServeProcess() as server:
         for row in rows:
-            console.print(f"[bold]{row.label}[/]: lifeline bench ({row.requests} requests)")
+            speed = probe(calibrated)
+            console.print(f"[bold]{row.label}[/]: lifeline bench ({row.requests} requests); "
+                          f"machine speed against the calibration's: "
+                          + ", ".join(f"{k} {v:.2f}×" for k, v in speed.items()))
             measured, foreign = measure(server.url, row, server.proc.pid)
             predicted = plan(row)
             m, p = point(measured), point(predicted)
@@ -182,6 +199,7 @@ def main() -> int:
                             "requests": row.requests, "input_tokens": row.input_tokens,
                             "output_tokens": row.output_tokens, "measured": m,
                             "predicted": p, "errors": errors, "foreign_cores": foreign,
+                            "speed_before": speed,
                             "plan_wall_s": predicted["plan"]["wall_s"]})
             if out_dir:
                 (out_dir / f"{row.key}.bench.json").write_text(json.dumps(measured, indent=1))
