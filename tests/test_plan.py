@@ -154,10 +154,14 @@ def test_a_prompt_longer_than_the_context_fails_alone():
     assert r["summary"]["errors"] == {"http_400": 2}
 
 
-def test_a_burst_queues_at_the_front_one_request_at_a_time():
-    """The API front takes requests one at a time (a server's event loop): at rate inf the
-    k-th request reaches the engine k front-times after it was sent."""
-    r = run_plan(settings(rate=math.inf, requests=5, input_tokens=32, output_tokens=2),
-                 deployment())
-    fronts = sorted(rec["server_timings"]["front_ms"] for rec in r["requests"])
+def test_a_burst_queues_at_the_fronts_serial_part():
+    """The front's serial part (a server's one event loop) takes requests one at a time: at
+    rate inf with a wholly serial front (an engine profile's) the k-th request reaches the
+    engine k front-times after it was sent; a front that is all latency lets them in at once."""
+    s = settings(rate=math.inf, requests=5, input_tokens=32, output_tokens=2)
+    serial = run_plan(s, deployment(request_overhead_s=2e-3))
+    fronts = sorted(rec["server_timings"]["front_ms"] for rec in serial["requests"])
     assert fronts == pytest.approx([2.0, 4.0, 6.0, 8.0, 10.0])
+    latency = run_plan(s, deployment())  # GPU's efficiency: 2 ms, no serial part
+    assert [rec["server_timings"]["front_ms"] for rec in latency["requests"]] == \
+        pytest.approx([2.0] * 5)

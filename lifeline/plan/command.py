@@ -25,6 +25,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "and which resource bounds each phase.")
     p.add_argument("action", nargs="?", choices=["calibrate"], default=None,
                    help="calibrate: measure this CPU for --hardware this-cpu")
+    p.add_argument("--quick", action="store_true",
+                   help="calibrate: fewer shapes and one served load point (under a minute)")
+    p.add_argument("--no-serve", action="store_true",
+                   help="calibrate: the bare engine only, no served run (no request overhead)")
     p.add_argument("--model", default=None,
                    help="a preset name (--list-models), an HF config.json or a .gguf file")
     p.add_argument("--hardware", default=None, help="a catalog id (--list-hardware)")

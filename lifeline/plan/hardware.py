@@ -40,6 +40,10 @@ class Efficiency:
     """Time per request scheduled in a step (its inputs, sampling, output handling)."""
     request_overhead_s: float = 0.0
     """Fixed time of every request before its first step: HTTP, chat template, tokenizer."""
+    request_serial_s: float = 0.0
+    """Of `request_overhead_s`, the part on the server's one front thread (its event loop:
+    parsing, validation, tokenizer): requests sent together reach the engine this far apart,
+    so the first of them can start a step alone. The rest is latency, taken in parallel."""
     source: str = ""
     """How these numbers were obtained (fit, microbenchmark, assumption)."""
 

@@ -33,7 +33,7 @@ def plan_section(deployment: Deployment, engine: LLMEngine, watch: CapacityWatch
                      "price_date": hw.price_date,
                      "efficiency": {k: getattr(hw.efficiency, k) for k in (
                          "gemm", "memory", "attention", "step_overhead_s", "seq_overhead_s",
-                         "request_overhead_s", "source")}},
+                         "request_overhead_s", "request_serial_s", "source")}},
         "devices": cost.tp, "tp": cost.tp,
         "model": {"name": m.name, "params": m.num_params(), "active_params":
                   m.num_active_params(), "moe": bool(m.num_experts),

@@ -77,8 +77,9 @@ class _Load:
         self.engine = deployment.engine(self.clock)
         self.workload, self.on_done = workload, on_done
         self.front = deployment.front_s
+        self.serial = min(deployment.serial_s, self.front)
         self.front_free = 0.0
-        """When the API front (one event loop) is next free to take a request."""
+        """When the server's front thread (its event loop) is next free."""
         self.rng = random.Random(self.plan.seed)
         self.heap: list[tuple[float, int, str, Any]] = []
         self.order = itertools.count()
@@ -107,12 +108,15 @@ class _Load:
         return next(self.workload)
 
     def send(self, p: _Pending, at: float) -> None:
-        """The request leaves the client at `at` and reaches the engine once the front has
-        taken it in: the front handles one request at a time, so a burst queues there."""
+        """The request leaves the client at `at` and reaches the engine after the front. Its
+        serial part (`Efficiency.request_serial_s`: the server's one event loop) takes one
+        request at a time, so requests sent together reach the engine that far apart."""
         p.trace.sent = at
         self.in_flight += 1
-        self.front_free = max(at, self.front_free) + self.front
-        self.push(self.front_free, "arrive", p)
+        arrive = max(at + self.front - self.serial, self.front_free) + self.serial
+        self.front_free = arrive
+        p.reached = arrive
+        self.push(arrive, "arrive", p)
 
     def arrive(self, p: _Pending, at: float) -> None:
         """The front hands the request over at `at`; the engine takes it in at its next step

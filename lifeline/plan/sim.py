@@ -115,14 +115,23 @@ class Deployment:
     """KV cache per device; None: what `gpu_memory_utilization` leaves after the weights and
     activations."""
     request_overhead_s: float | None = None
-    """The API front's time per request (None: the device's `Efficiency.request_overhead_s`),
-    spent one request at a time as a server's single event loop does."""
+    """The API front's time per request, all of it on the server's one event loop (an engine
+    profile's: vLLM 0.5 ran its API server in one process); None: the device's
+    `Efficiency.request_overhead_s`, of which `request_serial_s` is serial."""
 
     @property
     def front_s(self) -> float:
+        """Seconds from sending a request to its reaching the engine, when nothing queues."""
         if self.request_overhead_s is not None:
             return self.request_overhead_s
         return self.cost.hw.efficiency.request_overhead_s
+
+    @property
+    def serial_s(self) -> float:
+        """Of `front_s`, the part that takes one request at a time."""
+        if self.request_overhead_s is not None:
+            return self.request_overhead_s
+        return self.cost.hw.efficiency.request_serial_s
 
     def activation_bytes(self) -> float:
         """A step's peak working memory per device, as vLLM's profiling run finds it to first

@@ -1,0 +1,987 @@
+"""`lifeline plan calibrate`: measure this machine for `--hardware this-cpu`.
+
+The planner prices a step by the roofline of `lifeline.plan.cost`; on a GPU its peaks come from
+datasheets and its efficiencies from published runs. Here the machine is at hand, so both are
+measured, in four parts:
+
+1. Peaks, from kernels alone: the engine's own int8 GEMM (`Int8Linear`, fbgemm or oneDNN) at
+   512 × 2,048 × 2,048, a float32 matmul at 1,024³ and the read bandwidth of a tensor far larger
+   than the caches. They become `Hardware.flops['int8']`, `flops['fp32']` and
+   `memory_bandwidth`: what this CPU does at best, as a datasheet would say.
+2. Engine steps: the served configuration (the default model, Gemma 3 270M from its GGUF,
+   `int8-all` weights, compiled, 64 sequences and 512 tokens a step, float32 KV: `lifeline
+   serve`'s defaults) is driven with token-id prompts, greedy and `ignore_eos` as `lifeline
+   bench` asks, through chosen shapes: prefill chunks of 32-512 tokens (one request, several,
+   a prompt over two chunks), decode batches of 1-32 requests at short and long contexts, and
+   the mixed steps that fill them. Every `engine.step()` is timed whole (scheduling, the
+   forward, sampling, detokenizing) and recorded with its shape: tokens and start per request,
+   rows sampled.
+3. Fit: the cost model's efficiencies (`gemm` of the int8 peak, `memory` of the bandwidth,
+   `attention` of the float32 peak) and fixed costs (`step_overhead_s`, `seq_overhead_s`)
+   minimise a robust error of predicted against measured log step times, each shape weighed
+   equally (Nelder-Mead in log space; `fit_steps`). The table printed sets the `CostModel`'s
+   own predictions beside the measurements.
+4. Serving: a short `lifeline bench` run (the bench's own code) against a real `lifeline
+   serve` on loopback, at 1 user of 64-token prompts, 2 of 256 and 12 of 40, is simulated with the fitted
+   hardware (`run_plan`, the planner itself). What the server adds over the bare engine is
+   fitted so the simulation matches: per step and per streamed request (the engine shares two
+   cores with the event loop that writes every token's SSE event and with the client reading
+   it) from TPOT, and `request_overhead_s` (HTTP, tokenizer, the first event's delivery) from
+   TTFT (the front is one thread, so requests sent together reach the engine one front
+   apart, as `lifeline.plan.run` simulates them). These load points differ from `benchmarks/plan_vs_bench.py`'s validation.
+
+The hardware is saved where `--hardware this-cpu` finds it (`calibration_path()`), the
+measurements and the fit beside it (`*.calibration.json`).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from lifeline.plan.cost import CostModel
+from lifeline.plan.hardware import Efficiency, Hardware
+
+if TYPE_CHECKING:
+    import argparse
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from lifeline.bench.run import BenchSettings
+    from lifeline.engine.engine import LLMEngine
+    from lifeline.model.config import ModelConfig
+    from lifeline.plan.sim import Deployment
+
+HARDWARE_ID = "this-cpu"
+DEFAULT_NAME = "gemma-3-270m"
+WEIGHTS, KV_DTYPE = "int8", "fp32"
+"""How the planner prices `lifeline serve`'s defaults: `int8-all` weights, float32 KV."""
+SERVED = {"weights": "int8-all", "compile": True, "max_num_seqs": 64,
+          "max_num_batched_tokens": 512}
+"""`lifeline serve`'s engine defaults (lifeline/cli.py), which the steps are measured in."""
+
+
+# -- where the calibration lives ----------------------------------------------------------------
+# Minimal versions of what lifeline.plan.hardware will provide (same names and meaning); drop
+# these once it does.
+
+def calibration_path() -> Path:
+    """$LIFELINE_CACHE (default ~/.cache/lifeline) / plan / this-cpu.json."""
+    root = os.environ.get("LIFELINE_CACHE") or Path.home() / ".cache" / "lifeline"
+    return Path(root) / "plan" / f"{HARDWARE_ID}.json"
+
+
+def hardware_to_dict(hw: Hardware) -> dict[str, Any]:
+    out = dataclasses.asdict(hw)
+    out["sources"] = list(hw.sources)
+    return out
+
+
+def hardware_from_dict(data: dict[str, Any]) -> Hardware:
+    data = dict(data)
+    data["efficiency"] = Efficiency(**data.get("efficiency", {}))
+    data["sources"] = tuple(data.get("sources", ()))
+    return Hardware(**data)
+
+
+def save_calibrated(hw: Hardware, path: Path | None = None) -> Path:
+    path = path or calibration_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(hardware_to_dict(hw), indent=1) + "\n")
+    return path
+
+
+def load_calibrated(path: Path | None = None) -> Hardware:
+    """The saved `this-cpu` (ValueError, saying how to make it, when there is none)."""
+    path = path or calibration_path()
+    if not path.exists():
+        raise ValueError(f"{HARDWARE_ID} is not calibrated on this machine ({path} is missing): "
+                         "run `lifeline plan calibrate` first")
+    return hardware_from_dict(json.loads(path.read_text()))
+
+
+def report_path(path: Path | None = None) -> Path:
+    return (path or calibration_path()).with_suffix(".calibration.json")
+
+
+class ForeignLoad:
+    """Cores other processes used since it was made (this one, its reaped children and
+    `own_pids`, such as a server it started, left out): a busy neighbour makes a measurement
+    slow, and the calibration records how busy the machine was."""
+
+    def __init__(self, own_pids: Sequence[int] = ()) -> None:
+        self.pids = tuple(own_pids)
+        self.start = time.perf_counter()
+        self.busy = _busy_s() - self._own()
+
+    def _own(self) -> float:
+        return _own_s() + sum(_pid_cpu_s(pid) for pid in self.pids)
+
+    def share(self) -> float:
+        return max(0.0, (_busy_s() - self._own() - self.busy)
+                   / (time.perf_counter() - self.start))
+
+
+def _busy_s() -> float:
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split()[1:9]]
+    except (OSError, ValueError):
+        return 0.0
+    return sum(fields[i] for i in (0, 1, 2, 5, 6, 7)) / os.sysconf("SC_CLK_TCK")
+
+
+def _own_s() -> float:
+    import resource
+
+    usage = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    return sum(r.ru_utime + r.ru_stime for r in usage)
+
+
+def _pid_cpu_s(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(fields[i]) for i in (11, 12, 13, 14)) / os.sysconf("SC_CLK_TCK")
+
+
+# -- 1. peaks ------------------------------------------------------------------------------------
+
+def _best(fn: Callable[[], Any], repeats: int) -> float:
+    fn()
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class Peaks:
+    int8_ops: float
+    """OP/s of the engine's int8 GEMM, 512 rows × 2,048 × 2,048."""
+    fp32_flops: float
+    """FLOP/s of a float32 matmul, 1,024³."""
+    bandwidth: float
+    """Bytes/s reading a float32 tensor of `BANDWIDTH_BYTES`."""
+
+
+BANDWIDTH_BYTES = 512 << 20
+
+
+def measure_peaks(repeats: int = 5) -> Peaks:
+    import torch
+    from torch import nn
+
+    from lifeline.model.weight_format import Int8Linear
+
+    torch.manual_seed(0)
+    rows, width = 512, 2048
+    layer = Int8Linear(nn.Linear(width, width, bias=False), rescore_top=0)
+    x = torch.randn(rows, width)
+    with torch.inference_mode():
+        int8 = 2 * rows * width * width / _best(lambda: layer.int8_matmul(x), repeats)
+        a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+        fp32 = 2 * 1024 ** 3 / _best(lambda: a @ b, repeats)
+        big = torch.ones(BANDWIDTH_BYTES // 4)
+        bandwidth = BANDWIDTH_BYTES / _best(big.sum, repeats)
+    return Peaks(int8, fp32, bandwidth)
+
+
+# -- 2. engine steps -----------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class StepSample:
+    """One timed `engine.step()`: (tokens, start) per scheduled request, rows sampled."""
+    label: str
+    work: tuple[tuple[int, int], ...]
+    sampled: int
+    seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"label": self.label, "work": [list(w) for w in self.work],
+                "sampled": self.sampled, "seconds": self.seconds}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StepSample:
+        return cls(d["label"], tuple(tuple(w) for w in d["work"]), d["sampled"], d["seconds"])
+
+
+@dataclass(frozen=True, slots=True)
+class StepGrid:
+    """The shapes the engine is driven through."""
+    prefill: tuple[int, ...]
+    """Prompt lengths prefilled alone (one step each, up to the step's 512 tokens)."""
+    repeats: int
+    long_prompts: tuple[int, ...]
+    """Prompts longer than a step: chunks after the first start past 0."""
+    batched_prefill: tuple[tuple[int, int], ...]
+    """(requests, prompt tokens) added at once: several prefills in a step."""
+    decode: tuple[tuple[int, int], ...]
+    """(batch, prompt tokens): the batch prefills (mixed steps), then decodes together."""
+    decode_steps: int
+    """Decode steps timed once the whole batch decodes."""
+    passes: int = 1
+    """Times the grid is run, each pass in its own shuffled order (`repeats` and
+    `decode_steps` are per pass)."""
+
+    def items(self) -> int:
+        return 1 + self.passes * (len(self.prefill) * self.repeats + len(self.long_prompts)
+                                  + len(self.batched_prefill) + len(self.decode))
+
+
+FULL_GRID = StepGrid(
+    prefill=(32, 64, 128, 256, 384, 512), repeats=2, long_prompts=(1024,),
+    batched_prefill=((4, 128), (2, 256), (8, 48)),
+    decode=((1, 64), (1, 256), (1, 1024), (2, 128), (4, 128), (4, 512), (6, 96), (8, 64),
+            (8, 256), (12, 96), (16, 128), (24, 64), (32, 48)),
+    decode_steps=6, passes=2)
+"""On this machine a step of one shape varies by ±25% from the next and the machine's speed
+drifts by as much over tens of seconds (docs/plan.md): two passes in shuffled orders, so a slow
+spell spreads over shapes instead of bending the fit, of twelve decode steps of each batch and
+four prefills of each length in all."""
+QUICK_GRID = StepGrid(
+    prefill=(48, 200, 512), repeats=1, long_prompts=(), batched_prefill=((4, 64),),
+    decode=((1, 48), (4, 96), (12, 32)), decode_steps=4, passes=2)
+
+
+class _Recorder:
+    """Wraps the engine's executor to note the shape of each step it runs."""
+
+    def __init__(self, inner: Any):
+        self.inner, self.compiled = inner, inner.compiled
+        self.last: tuple[tuple[tuple[int, int], ...], int] | None = None
+
+    def execute(self, scheduled: Any) -> Any:
+        self.last = (tuple((s.num_new_tokens, s.start) for s in scheduled.scheduled),
+                     sum(1 for s in scheduled.scheduled if s.samples))
+        return self.inner.execute(scheduled)
+
+
+def served_engine() -> LLMEngine:
+    """The engine `lifeline serve` runs by default (its model, weights, compile, limits)."""
+    from lifeline.cli import DEFAULT_KV_CACHE_BYTES
+    from lifeline.engine.engine import EngineConfig, LLMEngine
+    from lifeline.model.loader import load_model
+
+    return LLMEngine(load_model(), EngineConfig(kv_cache_memory_bytes=DEFAULT_KV_CACHE_BYTES,
+                                                **SERVED))
+
+
+def measure_steps(engine: LLMEngine, grid: StepGrid, on_item: Callable[[], None] | None = None,
+                  seed: int = 0) -> list[StepSample]:
+    """Drive `engine` through `grid`, timing every step. Prompts are random token ids (no
+    prefix-cache hits), sampling greedy with `ignore_eos`, as the bench's requests."""
+    from lifeline.engine.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    inner = engine.executor
+    recorder = engine.executor = _Recorder(inner)
+    samples: list[StepSample] = []
+
+    def add(tokens: int, out: int) -> None:
+        params = SamplingParams(max_tokens=out, min_tokens=out, ignore_eos=True, temperature=0)
+        engine.add_request([rng.randrange(2, vocab) for _ in range(tokens)], params)
+
+    def run(label: Callable[[StepSample], str | None] | str) -> None:
+        name = label if callable(label) else lambda s: label
+        while engine.has_unfinished_requests():
+            recorder.last = None
+            t = time.perf_counter()
+            engine.step()
+            seconds = time.perf_counter() - t
+            if recorder.last is not None and recorder.last[0]:
+                sample = StepSample("", recorder.last[0], recorder.last[1], seconds)
+                kept = name(sample)
+                if kept is not None:
+                    samples.append(dataclasses.replace(sample, label=kept))
+        if on_item is not None:
+            on_item()
+
+    def decode_label(batch: int, n: int) -> Callable[[StepSample], str | None]:
+        """The batch's prefill steps (mixed ones too) apart from its decode steps; the last
+        steps, once requests finish unevenly, left out."""
+        def name(s: StepSample) -> str | None:
+            if any(t > 1 for t, _ in s.work):
+                return f"decode {batch}@{n}: its prefill steps"
+            return f"decode {batch}@{n}" if len(s.work) == batch else None
+        return name
+
+    def prefill(prompts: list[int], label: str) -> None:
+        for n in prompts:
+            add(n, 1)
+        run(label)
+
+    def decode(batch: int, n: int) -> None:
+        # the first prefilled decode while the others prefill: enough tokens that all decode
+        # together for `decode_steps` steps
+        prefill_steps = -(-batch * n // engine.config.max_num_batched_tokens) + 1
+        for _ in range(batch):
+            add(n, grid.decode_steps + prefill_steps)
+        run(decode_label(batch, n))
+
+    try:
+        add(16, 2)  # after the engine's own warm-up: settle the allocator and the threads
+        run(lambda s: None)
+        items: list[Callable[[], None]] = []
+        for _ in range(grid.repeats):
+            items += [lambda n=n: prefill([n], f"prefill {n}") for n in grid.prefill]
+        items += [lambda n=n: prefill([n], f"prefill {n} (chunked)") for n in grid.long_prompts]
+        items += [lambda c=c, n=n: prefill([n] * c, f"prefill {c}×{n}")
+                  for c, n in grid.batched_prefill]
+        items += [lambda b=b, n=n: decode(b, n) for b, n in grid.decode]
+        for _ in range(grid.passes):
+            rng.shuffle(items)
+            for item in items:
+                item()
+    finally:
+        engine.executor = inner
+    return samples
+
+
+# -- 3. the fit ----------------------------------------------------------------------------------
+
+PARAMS = ("gemm", "memory", "attention", "step_overhead_s", "seq_overhead_s")
+GEMM_KINDS = ("gemm", "moe", "lm_head")
+
+
+class _OpLog(CostModel):
+    """A `CostModel` that notes each op (kind, FLOPs, bytes, peak rate) instead of pricing
+    it at fixed efficiencies, so a fit can reprice every step for any efficiencies at once.
+    Built on a hardware record whose efficiencies are 1, so each op's rate is its peak."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.ops: list[tuple[str, float, float, float]] = []
+
+    def _op(self, cost: Any, kind: str, flops: float, nbytes: float, rate: float,
+            count: int = 1) -> None:
+        self.ops.append((kind, flops * count, nbytes * count, rate))
+        super()._op(cost, kind, flops, nbytes, rate, count)
+
+
+@dataclass(slots=True)
+class StepTerms:
+    """Every sample's ops as arrays: the step time for efficiencies (g, m, a) and overheads
+    (s, q) is Σ_ops max(F / (R·e), B / (W·m)) + s + q·requests, e = a for attention else g, as
+    `CostModel.step` adds them."""
+    sample: np.ndarray
+    flops: np.ndarray
+    nbytes: np.ndarray
+    rate: np.ndarray
+    attention: np.ndarray
+    requests: np.ndarray
+    bandwidth: float
+    count: int
+
+    def predict(self, p: Sequence[float]) -> np.ndarray:
+        g, m, a, s, q = p
+        eff = np.where(self.attention, a, g)
+        t = np.maximum(self.flops / (self.rate * eff), self.nbytes / (self.bandwidth * m))
+        return np.bincount(self.sample, t, self.count) + s + q * self.requests
+
+
+def peak_hardware(peaks: Peaks, efficiency: Efficiency | None = None) -> Hardware:
+    """`this-cpu` with the measured peaks (and `efficiency`; None: every factor 1, no
+    overheads)."""
+    name, cores = cpu_name()
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        memory = 0
+    return Hardware(
+        id=HARDWARE_ID, name=f"{name} ({cores} cores)", kind="cpu",
+        flops={"fp32": peaks.fp32_flops, "int8": peaks.int8_ops},
+        memory_bandwidth=peaks.bandwidth, memory_bytes=float(memory),
+        interconnect_bandwidth=peaks.bandwidth, interconnect="shared memory (one machine)",
+        price_per_hour=0.0, price_source="this machine: no price (set --cost-per-hour)",
+        price_date=datetime.now(UTC).date().isoformat(),
+        sources=("lifeline plan calibrate: the engine's int8 GEMM (512×2048×2048), a float32 "
+                 "matmul (1024³) and a 512 MiB read, timed on this machine",),
+        efficiency=efficiency or _UNIT)
+
+
+_UNIT = Efficiency(gemm=1.0, memory=1.0, attention=1.0, step_overhead_s=0.0,
+                   seq_overhead_s=0.0, request_overhead_s=0.0, source="peaks only")
+
+
+def cpu_name() -> tuple[str, int]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        name = next(line.split(":", 1)[1].strip() for line in text.splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        import platform
+        name = platform.processor() or platform.machine()
+    return name, os.cpu_count() or 1
+
+
+def step_terms(model: ModelConfig, hw: Hardware, samples: Sequence[StepSample]) -> StepTerms:
+    """The ops of every sample under the cost model, on `hw`'s peaks."""
+    peak = dataclasses.replace(hw, efficiency=_UNIT)
+    log = _OpLog(model, peak, weights=WEIGHTS, kv_dtype=KV_DTYPE)
+    idx: list[int] = []
+    for i, s in enumerate(samples):
+        before = len(log.ops)
+        log.step(s.work, s.sampled)
+        idx += [i] * (len(log.ops) - before)
+    kinds = [op[0] for op in log.ops]
+    if any(k == "comm" for k in kinds):
+        raise ValueError("the fit prices one device: no tensor-parallel communication")
+    return StepTerms(
+        np.array(idx, dtype=np.int64), np.array([op[1] for op in log.ops]),
+        np.array([op[2] for op in log.ops]), np.array([op[3] for op in log.ops]),
+        np.array([k == "attention" for k in kinds]),
+        np.array([len(s.work) for s in samples], dtype=float), peak.memory_bandwidth,
+        len(samples))
+
+
+def _weights(samples: Sequence[StepSample]) -> np.ndarray:
+    """Each label weighs as much as any other, however many steps it ran."""
+    labels = [s.label for s in samples]
+    counts = {label: labels.count(label) for label in set(labels)}
+    return np.array([1.0 / counts[label] for label in labels])
+
+
+ROBUST_SCALE = 0.05
+"""Log-errors beyond about 5% count linearly, not squared (a step a noisy neighbour slowed)."""
+
+
+def fit_steps(terms: StepTerms, measured: np.ndarray, weights: np.ndarray | None = None,
+              start: Sequence[float] | None = None) -> np.ndarray:
+    """The (gemm, memory, attention, step_overhead_s, seq_overhead_s) whose predictions are
+    closest to `measured`: soft-L1 of the log ratio, Nelder-Mead over the log of each
+    parameter (all positive), restarted from its best point until it stops improving."""
+    w = np.ones(len(measured)) if weights is None else weights
+    log_meas = np.log(measured)
+
+    def loss(x: np.ndarray) -> float:
+        pred = terms.predict(np.exp(x))
+        r = (np.log(pred) - log_meas) / ROBUST_SCALE
+        return float(np.sum(w * (np.sqrt(1 + r * r) - 1)))
+
+    if start is None:
+        floor = float(np.min(measured))
+        start = (0.5, 0.7, 0.2, 0.3 * floor, 0.02 * floor)
+    x = np.log(np.asarray(start, dtype=float))
+    best = loss(x)
+    for _ in range(8):
+        x, value = nelder_mead(loss, x, step=0.7)
+        if value > best - 1e-9 * max(1.0, abs(best)):
+            break
+        best = value
+    return np.exp(x)
+
+
+def nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, step: float = 0.5,
+                iterations: int = 4000, tol: float = 1e-10) -> tuple[np.ndarray, float]:
+    """Minimise `f` from `x0` (the standard reflection, expansion, contraction and shrink;
+    no scipy on this machine)."""
+    n = len(x0)
+    simplex = [x0] + [x0 + step * np.eye(n)[i] for i in range(n)]
+    values = [f(x) for x in simplex]
+    for _ in range(iterations):
+        order = np.argsort(values)
+        simplex = [simplex[i] for i in order]
+        values = [values[i] for i in order]
+        if abs(values[-1] - values[0]) <= tol * max(1.0, abs(values[0])):
+            break
+        centroid = np.mean(simplex[:-1], axis=0)
+        worst = simplex[-1]
+        reflected = centroid + (centroid - worst)
+        fr = f(reflected)
+        if fr < values[0]:
+            expanded = centroid + 2 * (centroid - worst)
+            fe = f(expanded)
+            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
+        elif fr < values[-2]:
+            simplex[-1], values[-1] = reflected, fr
+        else:
+            inside = fr >= values[-1]
+            contracted = centroid + (0.5 if not inside else -0.5) * (
+                (reflected if not inside else worst) - centroid)
+            fc = f(contracted)
+            if fc < min(fr, values[-1]):
+                simplex[-1], values[-1] = contracted, fc
+            else:
+                best = simplex[0]
+                simplex = [best] + [best + 0.5 * (x - best) for x in simplex[1:]]
+                values = [values[0]] + [f(x) for x in simplex[1:]]
+    i = int(np.argmin(values))
+    return simplex[i], values[i]
+
+
+def efficiency_of(params: Sequence[float], request_overhead_s: float = 0.0,
+                  source: str = "") -> Efficiency:
+    g, m, a, s, q = (float(v) for v in params)
+    return Efficiency(gemm=g, memory=m, attention=a, step_overhead_s=s, seq_overhead_s=q,
+                      request_overhead_s=request_overhead_s, source=source)
+
+
+@dataclass(slots=True)
+class StepFit:
+    params: np.ndarray
+    rows: list[dict[str, Any]]
+    """Per label: steps, measured and predicted mean ms, error."""
+    median_abs_error: float
+    """Of single steps, |predicted / measured − 1|."""
+    weighted_error: float
+    """Of the labels' means, the root mean square of (predicted / measured − 1)."""
+
+
+def fit_report(model: ModelConfig, hw: Hardware, samples: Sequence[StepSample]) -> StepFit:
+    """The fitted hardware's predictions, by the real `CostModel`, against the samples."""
+    cost = CostModel(model, hw, weights=WEIGHTS, kv_dtype=KV_DTYPE)
+    pred = np.array([cost.step(s.work, s.sampled).seconds for s in samples])
+    meas = np.array([s.seconds for s in samples])
+    rows: list[dict[str, Any]] = []
+    for label in dict.fromkeys(s.label for s in samples):
+        sel = np.array([s.label == label for s in samples])
+        m, p = float(meas[sel].mean()), float(pred[sel].mean())
+        rows.append({"label": label, "steps": int(sel.sum()), "measured_ms": m * 1e3,
+                     "predicted_ms": p * 1e3, "error": p / m - 1})
+    errors = np.array([r["error"] for r in rows])
+    e = efficiency_params(hw.efficiency)
+    return StepFit(e, rows, float(np.median(np.abs(pred / meas - 1))),
+                   float(np.sqrt(np.mean(errors ** 2))))
+
+
+def efficiency_params(e: Efficiency) -> np.ndarray:
+    return np.array([e.gemm, e.memory, e.attention, e.step_overhead_s, e.seq_overhead_s])
+
+
+# -- 4. serving ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class ServedPoint:
+    """A closed-loop load point of the served calibration."""
+    users: int
+    requests: int
+    input_tokens: int = 256
+    output_tokens: int = 64
+    seed: int = 0
+    """The workload's seed: points measured against one server need distinct ones, or the
+    prompts of one are cached prefixes of another's."""
+
+
+SERVED_POINTS = (ServedPoint(1, 6, 64, 16, seed=100), ServedPoint(2, 10, 256, 64, seed=101),
+                 ServedPoint(12, 36, 40, 64, seed=102))
+"""Each point's prompts fit one step (64, 2 × 256 and 12 × 40 tokens of the 512): TPOT and
+TTFT then move smoothly with the costs fitted (a closed loop whose prompts take several steps
+shifts between schedules as they change). Batch sizes far apart separate the per-step from the
+per-request cost; one user finds the engine idle at each arrival, so its TTFT holds the whole
+front (with more users a request mostly arrives during a step and waits for its end whatever
+the front). None is a load of benchmarks/plan_vs_bench.py."""
+QUICK_SERVED_POINTS = (ServedPoint(1, 3, 48, 12, seed=103), ServedPoint(4, 8, 96, 24, seed=104))
+
+
+def bench_settings(url: str, point: ServedPoint, model: str | None = None) -> BenchSettings:
+    from lifeline.bench.run import BenchSettings
+
+    return BenchSettings(url=url, model=model, concurrency=point.users,
+                         requests=point.requests, warmup=1, input_tokens=point.input_tokens,
+                         output_tokens=point.output_tokens, seed=point.seed)
+
+
+def this_cpu_model() -> ModelConfig:
+    """The default model's config as its GGUF says (no weights are read)."""
+    from lifeline.model.config import config_from_gguf
+    from lifeline.model.default import default_model_path
+    from lifeline.model.gguf_file import GGUFFile
+
+    gf = GGUFFile(default_model_path())
+    meta = dict(gf.metadata)
+    meta["_has_output_tensor"] = "output.weight" in gf
+    meta["_vocab_size"] = gf.tensor_shape("token_embd.weight")[0]
+    cfg = config_from_gguf(meta)
+    return dataclasses.replace(cfg, name=cfg.name or DEFAULT_NAME)
+
+
+def served_deployment(model: ModelConfig, hw: Hardware) -> Deployment:
+    """What `lifeline plan --hardware this-cpu` deploys: `lifeline serve`'s limits and KV
+    cache, weights priced as int8, the cache as float32 (as lifeline.plan.command)."""
+    from lifeline.cli import DEFAULT_KV_CACHE_BYTES
+    from lifeline.plan.sim import Deployment
+
+    cost = CostModel(model, hw, weights=WEIGHTS, kv_dtype=KV_DTYPE)
+    return Deployment(cost, max_num_seqs=SERVED["max_num_seqs"],
+                      max_num_batched_tokens=SERVED["max_num_batched_tokens"],
+                      kv_cache_bytes=DEFAULT_KV_CACHE_BYTES)
+
+
+def summary_point(results: dict[str, Any]) -> dict[str, float]:
+    s = results["summary"]
+    return {"ttft_ms": s["ttft_ms"]["p50"], "tpot_ms": s["tpot_ms"]["p50"],
+            "output_tok_s": s["output_throughput_tok_s"]}
+
+
+def server_front_s(results: Sequence[dict[str, Any]]) -> float:
+    """The median front time (gateway, template, tokenizer) the server reported for its
+    requests: the part of the request overhead on its event loop."""
+    fronts = [(r.get("server_timings") or {}).get("front_ms") for res in results
+              for r in res["requests"]]
+    fronts = [f for f in fronts if f is not None]
+    return float(np.median(fronts)) / 1e3 if fronts else 0.0
+
+
+def simulate(settings: BenchSettings, model: ModelConfig, hw: Hardware) -> dict[str, Any]:
+    from lifeline.plan.run import run_plan
+
+    return run_plan(dataclasses.replace(settings), served_deployment(model, hw))
+
+
+def fit_served(model: ModelConfig, hw: Hardware,
+               measured: Sequence[tuple[BenchSettings, dict[str, float]]],
+               serial_s: float = 0.0, iterations: int = 6) -> tuple[Hardware, dict[str, float]]:
+    """`hw` with what serving adds, fitted on the planner's own simulation of each load point:
+    per step and per request in a step from TPOT p50 (two or more batch sizes; with one, per
+    request alone), iterated until the simulated TPOT matches; then `request_overhead_s`, the
+    front each request passes before the engine, from TTFT p50 (a golden-section search: TTFT
+    is not linear in it, since a request that just misses a step waits for the whole step).
+    `serial_s`: the front's part on the server's event loop (`Efficiency.request_serial_s`,
+    what the server reports as its own front time), which staggers requests sent together."""
+    base = hw.efficiency
+    users = np.array([s.concurrency for s, _ in measured], dtype=float)
+    step_add = seq_add = 0.0
+    front = serial_s
+
+    def trial(step_add: float, seq_add: float, front: float) -> Hardware:
+        return dataclasses.replace(hw, efficiency=dataclasses.replace(
+            base, step_overhead_s=base.step_overhead_s + step_add,
+            seq_overhead_s=base.seq_overhead_s + seq_add, request_overhead_s=front,
+            request_serial_s=serial_s))
+
+    def predict(h: Hardware) -> list[dict[str, float]]:
+        return [summary_point(simulate(s, model, h)) for s, _ in measured]
+
+    def ttft_error(front: float) -> float:
+        pred = predict(trial(step_add, seq_add, front))
+        return float(sum(math.log(p["ttft_ms"] / m["ttft_ms"]) ** 2
+                         for (_, m), p in zip(measured, pred)))
+
+    def fit_tpot(step_add: float, seq_add: float, front: float) -> tuple[float, float]:
+        for _ in range(iterations):
+            pred = predict(trial(step_add, seq_add, front))
+            d_tpot = np.array([(m["tpot_ms"] - p["tpot_ms"]) / 1e3
+                               for (_, m), p in zip(measured, pred)])
+            if np.all(np.abs(d_tpot) < 5e-5):
+                break
+            step_add, seq_add = _serving_costs(users, d_tpot, step_add, seq_add)
+        return step_add, seq_add
+
+    # TPOT hardly moves with the front; TTFT does with the step costs
+    step_add, seq_add = fit_tpot(step_add, seq_add, front)
+    for _ in range(2):
+        front = golden_section(ttft_error, serial_s, MAX_FRONT_S)
+        step_add, seq_add = fit_tpot(step_add, seq_add, front)
+    return trial(step_add, seq_add, front), {
+        "step_overhead_added_s": step_add, "seq_overhead_added_s": seq_add,
+        "request_overhead_s": front, "request_serial_s": serial_s}
+
+
+MAX_FRONT_S = 0.25
+"""The longest front the search considers."""
+
+
+def golden_section(f: Callable[[float], float], lo: float, hi: float,
+                   tol: float = 1e-3) -> float:
+    """A minimum of `f` on [lo, hi] (unimodal there, or one of its local minima)."""
+    ratio = (math.sqrt(5) - 1) / 2
+    a, b = lo, hi
+    c, d = b - ratio * (b - a), a + ratio * (b - a)
+    fc, fd = f(c), f(d)
+    while b - a > tol:
+        if fc <= fd:
+            b, d, fd = d, c, fc
+            c = b - ratio * (b - a)
+            fc = f(c)
+        else:
+            a, c, fc = c, d, fd
+            d = a + ratio * (b - a)
+            fd = f(d)
+    return (a + b) / 2
+
+
+def _serving_costs(users: np.ndarray, d_tpot: np.ndarray, step_add: float,
+                   seq_add: float) -> tuple[float, float]:
+    """The next (per step, per request) additions. TPOT per token ≈ a step's time, so the
+    additions should explain `target` = what they explain now + what is still missing, as
+    step + users · per request: least squares over the points (one batch size: per request
+    alone), neither negative (serving only adds to the bare engine's work: its event loop and
+    the client share the cores)."""
+    target = d_tpot + step_add + users * seq_add
+    if len(set(users.tolist())) < 2:
+        return 0.0, max(0.0, float(np.mean(target / users)))
+    a = np.stack([np.ones_like(users), users], 1)
+    step_t, seq_t = (float(v) for v in np.linalg.lstsq(a, target, rcond=None)[0])
+    if step_t < 0:
+        step_t, seq_t = 0.0, float(np.sum(users * target) / np.sum(users * users))
+    elif seq_t < 0:
+        step_t, seq_t = float(np.mean(target)), 0.0
+    return max(0.0, step_t), max(0.0, seq_t)
+
+
+class ServeProcess:
+    """`lifeline serve` (its defaults: the served configuration) as a subprocess on loopback;
+    `with ServeProcess() as s:` waits until `/ready` answers 200."""
+
+    def __init__(self, extra: Sequence[str] = (), timeout_s: float = 600.0):
+        from lifeline.server.testing import free_port
+
+        self.port = free_port()
+        self.argv = [sys.executable, "-m", "lifeline.cli", "serve", "--port", str(self.port),
+                     *extra]
+        self.timeout_s = timeout_s
+        self.log = Path(tempfile.mkstemp(prefix="lifeline-serve-", suffix=".log")[1])
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/v1"
+
+    def __enter__(self) -> ServeProcess:
+        import httpx
+
+        with self.log.open("w") as log:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + self.timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"lifeline serve exited ({self.proc.returncode}): "
+                                   f"{self.log.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"http://127.0.0.1:{self.port}/ready", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.__exit__()
+        raise RuntimeError(f"lifeline serve was not ready in {self.timeout_s:.0f} s ({self.log})")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def measure_served(url: str, points: Sequence[ServedPoint],
+                   progress: Progress | None = None) -> list[tuple[BenchSettings, dict]]:
+    """`lifeline bench` (run_bench) at each point against the server at `url`."""
+    from lifeline.bench.run import run_bench
+
+    out = []
+    for point in points:
+        settings = bench_settings(url, point)
+        task = progress.add_task(f"served: {point.users} users", total=point.requests) \
+            if progress is not None else None
+
+        def done(_: Any, task: Any = task) -> None:
+            if progress is not None:
+                progress.advance(task)
+
+        results = asyncio.run(run_bench(settings, done))
+        out.append((settings, results))
+    return out
+
+
+# -- the whole calibration ---------------------------------------------------------------------
+
+@dataclass(slots=True)
+class Calibration:
+    hardware: Hardware
+    peaks: Peaks
+    samples: list[StepSample]
+    engine_fit: StepFit
+    """The bare engine's steps against the fit of part 3."""
+    served: list[dict[str, Any]] = field(default_factory=list)
+    """Per served point: its settings, measured and simulated p50s."""
+    served_fit: dict[str, float] = field(default_factory=dict)
+    wall_s: float = 0.0
+    threads: int = 0
+    foreign_cores: dict[str, float] = field(default_factory=dict)
+    """Cores other processes used while the steps and the served runs were measured."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"hardware": hardware_to_dict(self.hardware),
+                "peaks": dataclasses.asdict(self.peaks),
+                "torch_threads": self.threads, "wall_s": self.wall_s,
+                "foreign_cores": self.foreign_cores,
+                "engine_fit": {"rows": self.engine_fit.rows,
+                               "median_abs_error": self.engine_fit.median_abs_error,
+                               "weighted_error": self.engine_fit.weighted_error},
+                "served": self.served, "served_fit": self.served_fit,
+                "samples": [s.as_dict() for s in self.samples]}
+
+
+def calibrate(*, quick: bool = False, engine: LLMEngine | None = None, url: str | None = None,
+              serve: bool = True, progress: Progress | None = None,
+              model: ModelConfig | None = None) -> Calibration:
+    """Measure this machine (parts 1-4 above) and return `this-cpu` with the evidence.
+
+    `engine`: the engine to time (default: `lifeline serve`'s, built here and dropped after);
+    `url`: a running server for part 4 (default: `lifeline serve` started here on loopback);
+    `serve=False` skips part 4 (the bare engine's costs only). `quick`: fewer shapes and one
+    load point, for tests."""
+    import torch
+
+    t0 = time.perf_counter()
+
+    def task(name: str, total: int) -> Callable[[], None]:
+        if progress is None:
+            return lambda: None
+        tid = progress.add_task(name, total=total)
+        return lambda: progress.advance(tid)
+
+    advance = task("peaks", 1)
+    peaks = measure_peaks(3 if quick else 5)
+    advance()
+    grid = QUICK_GRID if quick else FULL_GRID
+    own = engine is None
+    advance = task("engine: loading, compiling", 1)
+    engine = engine or served_engine()
+    advance()
+    if model is None:  # the GGUF's config, as `lifeline plan --model FILE.gguf` reads it
+        model = dataclasses.replace(engine.model_config,
+                                    name=engine.model_config.name or DEFAULT_NAME)
+    meter = ForeignLoad()
+    samples = measure_steps(engine, grid, task("engine steps", grid.items()))
+    foreign = {"engine steps": meter.share()}
+    if own:
+        del engine
+    advance = task("fit", 1)
+    hw = peak_hardware(peaks)
+    terms = step_terms(model, hw, samples)
+    measured = np.array([s.seconds for s in samples])
+    params = fit_steps(terms, measured, _weights(samples))
+    advance()
+    threads = torch.get_num_threads()
+    source = (f"lifeline plan calibrate, {datetime.now(UTC).date().isoformat()}, "
+              f"{threads} torch threads: {len(samples)} engine steps of the default model "
+              f"(int8-all, compiled) fitted")
+    hw = dataclasses.replace(hw, efficiency=efficiency_of(params, source=source))
+    engine_fit = fit_report(model, hw, samples)
+    cal = Calibration(hw, peaks, samples, engine_fit, threads=threads, foreign_cores=foreign)
+    if serve:
+        points = QUICK_SERVED_POINTS if quick else SERVED_POINTS
+        if url is None:
+            advance = task("lifeline serve: loading, compiling", 1)
+            with ServeProcess() as server:
+                advance()
+                meter = ForeignLoad((server.proc.pid,))
+                runs = measure_served(server.url, points, progress)
+                foreign["served runs"] = meter.share()
+        else:
+            meter = ForeignLoad()
+            runs = measure_served(url, points, progress)
+            foreign["served runs"] = meter.share()  # an in-process server counts as ours
+        measured_points = [(s, summary_point(r)) for s, r in runs]
+        hw, cal.served_fit = fit_served(model, hw, measured_points,
+                                        serial_s=server_front_s([r for _, r in runs]))
+        for settings, point in measured_points:
+            sim = summary_point(simulate(settings, model, hw))
+            cal.served.append({"users": settings.concurrency,
+                               "input_tokens": settings.input_tokens,
+                               "output_tokens": settings.output_tokens,
+                               "requests": settings.requests, "measured": point,
+                               "predicted": sim})
+        users = ", ".join(str(s.concurrency) for s, _ in measured_points)
+        hw = dataclasses.replace(hw, efficiency=dataclasses.replace(
+            hw.efficiency, source=source + f"; served overheads fitted on `lifeline bench` "
+                                           f"against `lifeline serve` at {users} users"))
+        cal.hardware = hw
+    cal.wall_s = time.perf_counter() - t0
+    return cal
+
+
+FOREIGN_WARN = 0.2
+"""Cores of other processes' work beyond which the calibration warns."""
+
+
+def print_calibration(console: Console, cal: Calibration) -> None:
+    from rich.table import Table
+
+    hw, e, p = cal.hardware, cal.hardware.efficiency, cal.peaks
+    console.print(f"[bold]{hw.name}[/], {cal.threads} torch threads: int8 GEMM "
+                  f"{p.int8_ops / 1e9:.0f} GOP/s, float32 {p.fp32_flops / 1e9:.0f} GFLOP/s, "
+                  f"read {p.bandwidth / 1e9:.1f} GB/s")
+    table = Table("steps", "n", "measured ms", "fitted ms", "error", title="engine steps: "
+                  "measured and the cost model's fit")
+    for row in cal.engine_fit.rows:
+        table.add_row(row["label"], str(row["steps"]), f"{row['measured_ms']:.1f}",
+                      f"{row['predicted_ms']:.1f}", f"{row['error']:+.1%}")
+    console.print(table)
+    busy = {k: v for k, v in cal.foreign_cores.items() if v > FOREIGN_WARN}
+    if busy:
+        console.print("[yellow]other processes were busy meanwhile ("
+                      + ", ".join(f"{k}: {v:.2f} cores" for k, v in busy.items())
+                      + "): the steps ran slower than this machine alone runs them[/]")
+    console.print(f"fit error: median |error| of a step {cal.engine_fit.median_abs_error:.1%}, "
+                  f"RMS of the shapes' means {cal.engine_fit.weighted_error:.1%}")
+    fit = Table("parameter", "value", title="fitted")
+    fit.add_row("gemm (of the int8 peak)", f"{e.gemm:.3f}")
+    fit.add_row("memory (of the read bandwidth)", f"{e.memory:.3f}")
+    fit.add_row("attention (of the float32 peak)", f"{e.attention:.3f}")
+    fit.add_row("step_overhead_s", f"{e.step_overhead_s * 1e3:.2f} ms")
+    fit.add_row("seq_overhead_s", f"{e.seq_overhead_s * 1e3:.3f} ms")
+    fit.add_row("request_overhead_s", f"{e.request_overhead_s * 1e3:.2f} ms")
+    fit.add_row("  of which the event loop's: request_serial_s",
+                f"{e.request_serial_s * 1e3:.2f} ms")
+    for k, v in cal.served_fit.items():
+        if k.endswith("_added_s"):
+            fit.add_row(f"  of which serving: {k.removesuffix('_added_s')}", f"{v * 1e3:+.3f} ms")
+    console.print(fit)
+    if cal.served:
+        served = Table("served point", "TTFT p50 ms", "plan", "TPOT p50 ms", "plan",
+                       "output tok/s", "plan", title="served calibration points")
+        for row in cal.served:
+            m, s = row["measured"], row["predicted"]
+            served.add_row(f"{row['users']} users, {row['input_tokens']}/{row['output_tokens']}",
+                           f"{m['ttft_ms']:.0f}", f"{s['ttft_ms']:.0f}", f"{m['tpot_ms']:.1f}",
+                           f"{s['tpot_ms']:.1f}", f"{m['output_tok_s']:.1f}",
+                           f"{s['output_tok_s']:.1f}")
+        console.print(served)
+
+
+def cmd_calibrate(args: argparse.Namespace, console: Console) -> int:
+    """`lifeline plan calibrate [--quick]`: run `calibrate`, print it, save `this-cpu`."""
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    if getattr(args, "exec_allowed", False) and getattr(args, "huge_pages", True):
+        from lifeline.cli import exec_with_huge_pages
+
+        exec_with_huge_pages()  # as `lifeline serve` runs: the steps are measured the same way
+    columns = (TextColumn("{task.description}"), BarColumn(), TextColumn(
+        "{task.completed}/{task.total}"), TimeElapsedColumn())
+    with Progress(*columns, console=console, disable=getattr(args, "quiet", False)) as progress:
+        cal = calibrate(quick=getattr(args, "quick", False), progress=progress,
+                        serve=not getattr(args, "no_serve", False))
+    print_calibration(console, cal)
+    path = save_calibrated(cal.hardware)
+    report = report_path(path)
+    report.write_text(json.dumps(cal.as_dict(), indent=1) + "\n")
+    if getattr(args, "json", None):
+        Path(args.json).write_text(json.dumps(cal.as_dict(), indent=1) + "\n")
+    console.print(f"saved {path} (--hardware {HARDWARE_ID}); measurements in {report}; "
+                  f"{cal.wall_s:.0f} s")
+    return 0
