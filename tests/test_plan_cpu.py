@@ -96,20 +96,6 @@ def test_served_fit_recovers_the_servers_own_costs(model):
     assert found["request_overhead_s"] == pytest.approx(0.012, rel=0.1, abs=1e-3)
 
 
-def test_hardware_round_trips_through_the_calibration_file(tmp_path, monkeypatch):
-    monkeypatch.setenv("LIFELINE_CACHE", str(tmp_path))
-    hw = cal.peak_hardware(PEAKS, TRUE)
-    path = cal.save_calibrated(hw)
-    assert path == tmp_path / "plan" / "this-cpu.json"
-    assert cal.load_calibrated() == hw
-
-
-def test_a_missing_calibration_says_how_to_make_one(tmp_path, monkeypatch):
-    monkeypatch.setenv("LIFELINE_CACHE", str(tmp_path))
-    with pytest.raises(ValueError, match="lifeline plan calibrate"):
-        cal.load_calibrated()
-
-
 # -- the real engine and a real server ----------------------------------------------------------
 
 CHECK = cal.ServedPoint(users=2, requests=6, input_tokens=160, output_tokens=40, seed=7)

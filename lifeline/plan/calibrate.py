@@ -54,7 +54,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from lifeline.plan.cost import CostModel
-from lifeline.plan.hardware import Efficiency, Hardware
+from lifeline.plan.hardware import (Efficiency, Hardware, calibration_path, hardware_to_dict,
+                                     save_calibrated)
 
 if TYPE_CHECKING:
     import argparse
@@ -76,44 +77,7 @@ SERVED = {"weights": "int8-all", "compile": True, "max_num_seqs": 64,
 """`lifeline serve`'s engine defaults (lifeline/cli.py), which the steps are measured in."""
 
 
-# -- where the calibration lives ----------------------------------------------------------------
-# Minimal versions of what lifeline.plan.hardware will provide (same names and meaning); drop
-# these once it does.
-
-def calibration_path() -> Path:
-    """$LIFELINE_CACHE (default ~/.cache/lifeline) / plan / this-cpu.json."""
-    root = os.environ.get("LIFELINE_CACHE") or Path.home() / ".cache" / "lifeline"
-    return Path(root) / "plan" / f"{HARDWARE_ID}.json"
-
-
-def hardware_to_dict(hw: Hardware) -> dict[str, Any]:
-    out = dataclasses.asdict(hw)
-    out["sources"] = list(hw.sources)
-    return out
-
-
-def hardware_from_dict(data: dict[str, Any]) -> Hardware:
-    data = dict(data)
-    data["efficiency"] = Efficiency(**data.get("efficiency", {}))
-    data["sources"] = tuple(data.get("sources", ()))
-    return Hardware(**data)
-
-
-def save_calibrated(hw: Hardware, path: Path | None = None) -> Path:
-    path = path or calibration_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(hardware_to_dict(hw), indent=1) + "\n")
-    return path
-
-
-def load_calibrated(path: Path | None = None) -> Hardware:
-    """The saved `this-cpu` (ValueError, saying how to make it, when there is none)."""
-    path = path or calibration_path()
-    if not path.exists():
-        raise ValueError(f"{HARDWARE_ID} is not calibrated on this machine ({path} is missing): "
-                         "run `lifeline plan calibrate` first")
-    return hardware_from_dict(json.loads(path.read_text()))
-
+# -- where the calibration lives: lifeline.plan.hardware (calibration_path, save/load) ------
 
 def report_path(path: Path | None = None) -> Path:
     return (path or calibration_path()).with_suffix(".calibration.json")

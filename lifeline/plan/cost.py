@@ -213,10 +213,8 @@ class CostModel:
                           / self.tp) * act
             self._op(cost, "moe", flops, params * self.wbytes + io, self.gemm_flops,
                      self.num_moe)
-        cost.by_kind["elementwise"] += (total * self.elementwise_per_token * act
-                                        / self.bandwidth * layers)
-        cost.memory_s += cost.by_kind["elementwise"]
-        cost.bytes += total * self.elementwise_per_token * act * layers
+        self._op(cost, "elementwise", 0.0, total * self.elementwise_per_token * act,
+                 self.gemm_flops, layers)
         # attention over each request's context
         kv_write = total * self.kv_bytes
         if self.num_full:
