@@ -127,6 +127,7 @@ def quick(tmp_path_factory):
     yield model, result, hw, found, check
 
 
+@pytest.mark.alone  # it times the real engine: another process's work would be in its steps
 def test_quick_calibration_of_the_real_engine_fits_its_steps(quick):
     _, result, _, _, _ = quick
     e = result.hardware.efficiency
@@ -138,6 +139,7 @@ def test_quick_calibration_of_the_real_engine_fits_its_steps(quick):
     assert result.engine_fit.median_abs_error < 0.35, result.engine_fit.rows
 
 
+@pytest.mark.alone  # the calibration and the served run must see the same machine
 def test_plan_of_an_unseen_point_is_within_a_factor_of_two_of_the_served_run(quick):
     model, _, hw, _, (settings, measured) = quick
     predicted = cal.summary_point(cal.simulate(settings, model, hw))
