@@ -30,6 +30,7 @@ from lifeline.bench.run import BenchSettings
 from lifeline.model.config import ModelConfig
 from lifeline.model.presets import preset_config
 from lifeline.plan.cost import CostModel
+from lifeline.plan.calibrate import golden_section
 from lifeline.plan.engines import ENGINES, EngineProfile
 from lifeline.plan.hardware import get_hardware
 from lifeline.plan.run import run_plan
@@ -215,21 +216,10 @@ def _loss(rows: list[Row], engine: EngineProfile, hw: dict[str, Any] | None = No
 
 
 def golden(f: Callable[[float], float], lo: float, hi: float, evals: int) -> float:
-    """The minimum of a unimodal `f` on [lo, hi] to within the bracket `evals` evaluations
-    leave."""
-    g = (math.sqrt(5) - 1) / 2
-    a, b = hi - g * (hi - lo), lo + g * (hi - lo)
-    fa, fb = f(a), f(b)
-    for _ in range(evals - 2):
-        if fa < fb:
-            hi, b, fb = b, a, fa
-            a = hi - g * (hi - lo)
-            fa = f(a)
-        else:
-            lo, a, fa = a, b, fb
-            b = lo + g * (hi - lo)
-            fb = f(b)
-    return (lo + hi) / 2
+    """The minimum of a unimodal `f` on [lo, hi] after `evals` evaluations (calibrate's
+    golden-section search, its bracket narrowed `evals` − 2 times)."""
+    ratio = (math.sqrt(5) - 1) / 2
+    return golden_section(f, lo, hi, tol=(hi - lo) * ratio ** (evals - 2) * 1.0001)
 
 
 def fit(console: Console, which: set[str]) -> tuple[dict[str, EngineProfile], dict[str, Any]]:
