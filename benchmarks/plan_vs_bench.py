@@ -24,8 +24,6 @@ import argparse
 import asyncio
 import dataclasses
 import datetime
-import importlib
-import importlib.util
 import json
 import os
 import subprocess
@@ -101,17 +99,13 @@ def measure(url: str, row: Row, server_pid: int) -> tuple[dict[str, Any], float]
 
 
 def plan(row: Row) -> dict[str, Any]:
-    """`lifeline plan --hardware this-cpu` for the row, as a user runs it; where this checkout
-    lacks the catalog's loaders yet, the same deployment built by the calibration module."""
+    """`lifeline plan --hardware this-cpu` for the row, as a user runs it."""
     from lifeline.model.default import default_model_path
 
     args = ["plan", "--model", str(default_model_path()), "--hardware", "this-cpu",
             "--concurrency", str(row.users), "--requests", str(row.requests), "--warmup", "1",
             "--input-tokens", str(row.input_tokens), "--output-tokens", str(row.output_tokens),
             "--seed", str(row.seed), "--quiet"]
-    if not (hasattr(importlib.import_module("lifeline.plan.hardware"), "get_hardware")
-            and importlib.util.find_spec("lifeline.plan.models")):
-        return _plan_here(row)
     from lifeline.cli import main
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -125,17 +119,6 @@ def plan(row: Row) -> dict[str, Any]:
         if rc != 0:
             raise RuntimeError(f"lifeline {' '.join(args)} failed ({rc})")
         return json.loads(out.read_text())
-
-
-def _plan_here(row: Row) -> dict[str, Any]:
-    from lifeline.bench.run import BenchSettings
-    from lifeline.plan.calibrate import load_calibrated, served_deployment, this_cpu_model
-    from lifeline.plan.run import run_plan
-
-    settings = BenchSettings(url="plan://this-cpu", concurrency=row.users,
-                             requests=row.requests, warmup=1, input_tokens=row.input_tokens,
-                             output_tokens=row.output_tokens, seed=row.seed)
-    return run_plan(settings, served_deployment(this_cpu_model(), load_calibrated()))
 
 
 def probe(calibrated: dict[str, float] | None) -> dict[str, float]:
@@ -168,7 +151,8 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from lifeline.plan.calibrate import ServeProcess, load_calibrated, report_path
+    from lifeline.plan.calibrate import ServeProcess, report_path
+    from lifeline.plan.hardware import load_calibrated
 
     console = Console(width=None if sys.stdout.isatty() else 150)
     rows = [r for r in ROWS if r.key in args.rows.split(",")]
