@@ -17,8 +17,8 @@ from lifeline.plan.cost import CostModel
 from lifeline.plan.hardware import Efficiency
 
 PEAKS = cal.Peaks(int8_ops=400e9, fp32_flops=90e9, bandwidth=20e9)
-TRUE = Efficiency(gemm=0.55, memory=0.8, attention=0.25, step_overhead_s=0.004,
-                  seq_overhead_s=0.0004)
+TRUE = Efficiency(gemm=0.55, memory=0.8, kv_memory=0.3, attention=0.25, combine="sum",
+                  step_overhead_s=0.004, seq_overhead_s=0.0004, batch_overhead_s=0.006)
 
 
 @pytest.fixture(scope="module")
@@ -132,9 +132,10 @@ def test_quick_calibration_of_the_real_engine_fits_its_steps(quick):
     _, result, _, _, _ = quick
     e = result.hardware.efficiency
     assert result.hardware.id == "this-cpu" and result.hardware.kind == "cpu"
-    assert all(v > 0 for v in (e.gemm, e.memory, e.attention, e.step_overhead_s))
+    assert all(0 < v <= 1 for v in (e.gemm, e.memory, e.kv_memory, e.attention))
+    assert e.combine == "sum" and e.step_overhead_s + e.batch_overhead_s > 0
     assert {"prefill 512", "decode 12@32"} <= {r["label"] for r in result.engine_fit.rows}
-    # five parameters over about fifty steps of many shapes: a loose fit would be a broken
+    # seven parameters over about fifty steps of many shapes: a loose fit would be a broken
     # model of the steps, not noise
     assert result.engine_fit.median_abs_error < 0.35, result.engine_fit.rows
 

@@ -16,11 +16,15 @@ measured, in four parts:
    the mixed steps that fill them. Every `engine.step()` is timed whole (scheduling, the
    forward, sampling, detokenizing) and recorded with its shape: tokens and start per request,
    rows sampled.
-3. Fit: the cost model's efficiencies (`gemm` of the int8 peak, `memory` of the bandwidth,
-   `attention` of the float32 peak) and fixed costs (`step_overhead_s`, `seq_overhead_s`)
-   minimise a robust error of predicted against measured log step times, each shape weighed
-   equally (Nelder-Mead in log space; `fit_steps`). The table printed sets the `CostModel`'s
-   own predictions beside the measurements.
+3. Fit: on a CPU an op's compute and memory times add (`Efficiency.combine` "sum": the cores
+   issue both), so a step's time is linear in the inverse efficiencies (`gemm` of the int8
+   peak, `memory` of the bandwidth for weights and activations, `kv_memory` for attention's
+   KV, `attention` of the float32 peak) and the fixed costs (`step_overhead_s`,
+   `seq_overhead_s`, and `batch_overhead_s` for a step of more than one row: one row runs
+   fbgemm's matrix-vector path, more a GEMM with its own set-up). They minimise a robust
+   (soft-L1) relative error against the measured steps, each shape weighed equally, no
+   efficiency above 1 (reweighted non-negative least squares; `fit_steps`). The table printed
+   sets the `CostModel`'s own predictions beside the measurements.
 4. Serving: a short `lifeline bench` run (the bench's own code) against a real `lifeline
    serve` on loopback, at 1 user of 64-token prompts, 2 of 256 and 12 of 40, is simulated with the fitted
    hardware (`run_plan`, the planner itself). What the server adds over the bare engine is
@@ -322,8 +326,10 @@ def measure_steps(engine: LLMEngine, grid: StepGrid, on_item: Callable[[], None]
 
 # -- 3. the fit ----------------------------------------------------------------------------------
 
-PARAMS = ("gemm", "memory", "attention", "step_overhead_s", "seq_overhead_s")
-GEMM_KINDS = ("gemm", "moe", "lm_head")
+PARAMS = ("gemm", "memory", "kv_memory", "attention", "step_overhead_s", "seq_overhead_s",
+          "batch_overhead_s")
+EFFICIENCIES = 4
+"""The first four of `PARAMS` are efficiencies (fractions of a peak), the rest seconds."""
 
 
 class _OpLog(CostModel):
@@ -343,23 +349,30 @@ class _OpLog(CostModel):
 
 @dataclass(slots=True)
 class StepTerms:
-    """Every sample's ops as arrays: the step time for efficiencies (g, m, a) and overheads
-    (s, q) is Σ_ops max(F / (R·e), B / (W·m)) + s + q·requests, e = a for attention else g, as
-    `CostModel.step` adds them."""
-    sample: np.ndarray
-    flops: np.ndarray
-    nbytes: np.ndarray
-    rate: np.ndarray
-    attention: np.ndarray
+    """Every sample's work at peak, in seconds, by what prices it: the time of a step on this
+    CPU (`Efficiency.combine` "sum") for efficiencies (g, m, k, a) and overheads (s, q, b) is
+    gemm_s / g + memory_s / m + kv_s / k + attention_s / a + s + q · requests
+    + b · (more than one row), as `CostModel.step` adds them: linear in 1/g, ..., s, q, b."""
+    gemm_s: np.ndarray
+    """Projections, experts and the LM head: their FLOPs at the int8 peak."""
+    memory_s: np.ndarray
+    """Their bytes and the elementwise kernels' at the read bandwidth."""
+    kv_s: np.ndarray
+    """Attention's KV traffic at the read bandwidth."""
+    attention_s: np.ndarray
+    """Attention's FLOPs at the float32 peak."""
     requests: np.ndarray
-    bandwidth: float
-    count: int
+    batched: np.ndarray
+    """1 where the step has more than one token row."""
+
+    def columns(self) -> np.ndarray:
+        return np.stack([self.gemm_s, self.memory_s, self.kv_s, self.attention_s,
+                         np.ones_like(self.requests), self.requests, self.batched], 1)
 
     def predict(self, p: Sequence[float]) -> np.ndarray:
-        g, m, a, s, q = p
-        eff = np.where(self.attention, a, g)
-        t = np.maximum(self.flops / (self.rate * eff), self.nbytes / (self.bandwidth * m))
-        return np.bincount(self.sample, t, self.count) + s + q * self.requests
+        inverse = np.asarray(p, dtype=float).copy()
+        inverse[:EFFICIENCIES] = 1 / inverse[:EFFICIENCIES]
+        return self.columns() @ inverse
 
 
 def peak_hardware(peaks: Peaks, efficiency: Efficiency | None = None) -> Hardware:
@@ -382,7 +395,7 @@ def peak_hardware(peaks: Peaks, efficiency: Efficiency | None = None) -> Hardwar
         efficiency=efficiency or _UNIT)
 
 
-_UNIT = Efficiency(gemm=1.0, memory=1.0, attention=1.0, step_overhead_s=0.0,
+_UNIT = Efficiency(gemm=1.0, memory=1.0, attention=1.0, combine="sum", step_overhead_s=0.0,
                    seq_overhead_s=0.0, request_overhead_s=0.0, source="peaks only")
 
 
@@ -401,20 +414,24 @@ def step_terms(model: ModelConfig, hw: Hardware, samples: Sequence[StepSample]) 
     """The ops of every sample under the cost model, on `hw`'s peaks."""
     peak = dataclasses.replace(hw, efficiency=_UNIT)
     log = _OpLog(model, peak, weights=WEIGHTS, kv_dtype=KV_DTYPE)
-    idx: list[int] = []
+    bandwidth = peak.memory_bandwidth
+    terms = np.zeros((len(samples), 4))
     for i, s in enumerate(samples):
         before = len(log.ops)
         log.step(s.work, s.sampled)
-        idx += [i] * (len(log.ops) - before)
-    kinds = [op[0] for op in log.ops]
-    if any(k == "comm" for k in kinds):
-        raise ValueError("the fit prices one device: no tensor-parallel communication")
-    return StepTerms(
-        np.array(idx, dtype=np.int64), np.array([op[1] for op in log.ops]),
-        np.array([op[2] for op in log.ops]), np.array([op[3] for op in log.ops]),
-        np.array([k == "attention" for k in kinds]),
-        np.array([len(s.work) for s in samples], dtype=float), peak.memory_bandwidth,
-        len(samples))
+        for kind, flops, nbytes, rate in log.ops[before:]:
+            if kind == "comm":
+                raise ValueError("the fit prices one device: no tensor-parallel communication")
+            if kind == "attention":
+                terms[i, 2] += nbytes / bandwidth
+                terms[i, 3] += flops / rate
+            else:
+                terms[i, 0] += flops / rate
+                terms[i, 1] += nbytes / bandwidth
+    rows = np.array([sum(t for t, _ in s.work) for s in samples])
+    return StepTerms(terms[:, 0], terms[:, 1], terms[:, 2], terms[:, 3],
+                     np.array([len(s.work) for s in samples], dtype=float),
+                     (rows > 1).astype(float))
 
 
 def _weights(samples: Sequence[StepSample]) -> np.ndarray:
@@ -425,77 +442,67 @@ def _weights(samples: Sequence[StepSample]) -> np.ndarray:
 
 
 ROBUST_SCALE = 0.05
-"""Log-errors beyond about 5% count linearly, not squared (a step a noisy neighbour slowed)."""
+"""Relative errors beyond about 5% count linearly, not squared (a step a noisy neighbour
+slowed)."""
 
 
 def fit_steps(terms: StepTerms, measured: np.ndarray, weights: np.ndarray | None = None,
-              start: Sequence[float] | None = None) -> np.ndarray:
-    """The (gemm, memory, attention, step_overhead_s, seq_overhead_s) whose predictions are
-    closest to `measured`: soft-L1 of the log ratio, Nelder-Mead over the log of each
-    parameter (all positive), restarted from its best point until it stops improving."""
-    w = np.ones(len(measured)) if weights is None else weights
-    log_meas = np.log(measured)
-
-    def loss(x: np.ndarray) -> float:
-        pred = terms.predict(np.exp(x))
-        r = (np.log(pred) - log_meas) / ROBUST_SCALE
-        return float(np.sum(w * (np.sqrt(1 + r * r) - 1)))
-
-    if start is None:
-        floor = float(np.min(measured))
-        start = (0.5, 0.7, 0.2, 0.3 * floor, 0.02 * floor)
-    x = np.log(np.asarray(start, dtype=float))
-    best = loss(x)
-    for _ in range(8):
-        x, value = nelder_mead(loss, x, step=0.7)
-        if value > best - 1e-9 * max(1.0, abs(best)):
-            break
-        best = value
-    return np.exp(x)
-
-
-def nelder_mead(f: Callable[[np.ndarray], float], x0: np.ndarray, step: float = 0.5,
-                iterations: int = 4000, tol: float = 1e-10) -> tuple[np.ndarray, float]:
-    """Minimise `f` from `x0` (the standard reflection, expansion, contraction and shrink;
-    no scipy on this machine)."""
-    n = len(x0)
-    simplex = [x0] + [x0 + step * np.eye(n)[i] for i in range(n)]
-    values = [f(x) for x in simplex]
+              iterations: int = 20) -> np.ndarray:
+    """The `PARAMS` whose predictions are closest to `measured`: a soft-L1 loss of the
+    relative error, by iteratively reweighted non-negative least squares (the model is linear
+    in the inverse efficiencies and the overheads). No efficiency exceeds 1: each inverse is
+    1 + x, x ≥ 0, so the peaks' own time is the least a step's work can take."""
+    w = np.ones(len(measured)) if weights is None else np.asarray(weights, dtype=float)
+    a = terms.columns()
+    floor = a[:, :EFFICIENCIES].sum(1)  # every efficiency 1
+    target = measured - floor
+    robust = np.ones(len(measured))
+    x = np.zeros(a.shape[1])
     for _ in range(iterations):
-        order = np.argsort(values)
-        simplex = [simplex[i] for i in order]
-        values = [values[i] for i in order]
-        if abs(values[-1] - values[0]) <= tol * max(1.0, abs(values[0])):
+        scale = np.sqrt(w * robust) / measured
+        x_new = nnls(a * scale[:, None], target * scale)
+        r = (a @ x_new + floor) / measured - 1
+        robust = 1 / np.sqrt(1 + (r / ROBUST_SCALE) ** 2)
+        if np.allclose(x_new, x, rtol=1e-6, atol=1e-12):
+            x = x_new
             break
-        centroid = np.mean(simplex[:-1], axis=0)
-        worst = simplex[-1]
-        reflected = centroid + (centroid - worst)
-        fr = f(reflected)
-        if fr < values[0]:
-            expanded = centroid + 2 * (centroid - worst)
-            fe = f(expanded)
-            simplex[-1], values[-1] = (expanded, fe) if fe < fr else (reflected, fr)
-        elif fr < values[-2]:
-            simplex[-1], values[-1] = reflected, fr
-        else:
-            inside = fr >= values[-1]
-            contracted = centroid + (0.5 if not inside else -0.5) * (
-                (reflected if not inside else worst) - centroid)
-            fc = f(contracted)
-            if fc < min(fr, values[-1]):
-                simplex[-1], values[-1] = contracted, fc
-            else:
-                best = simplex[0]
-                simplex = [best] + [best + 0.5 * (x - best) for x in simplex[1:]]
-                values = [values[0]] + [f(x) for x in simplex[1:]]
-    i = int(np.argmin(values))
-    return simplex[i], values[i]
+        x = x_new
+    params = x.copy()
+    params[:EFFICIENCIES] = 1 / (1 + x[:EFFICIENCIES])
+    return params
+
+
+def nnls(a: np.ndarray, b: np.ndarray, iterations: int = 200) -> np.ndarray:
+    """argmin ‖a x − b‖ over x ≥ 0 (Lawson and Hanson's active set; no scipy here)."""
+    n = a.shape[1]
+    x = np.zeros(n)
+    free: list[int] = []
+    tol = 1e-12 * max(1.0, float(np.abs(a).max()) * float(np.abs(b).max()))
+    for _ in range(iterations):
+        grad = a.T @ (b - a @ x)
+        bound = [j for j in range(n) if j not in free]
+        if not bound or max(grad[bound]) <= tol:
+            break
+        free.append(max(bound, key=lambda j: grad[j]))
+        while True:
+            z = np.zeros(n)
+            z[free] = np.linalg.lstsq(a[:, free], b, rcond=None)[0]
+            if all(z[j] > 0 for j in free):
+                x = z
+                break
+            step = min(x[j] / (x[j] - z[j]) for j in free if z[j] <= 0)
+            x = x + step * (z - x)
+            free = [j for j in free if x[j] > 1e-15]
+            if not free:
+                break
+    return x
 
 
 def efficiency_of(params: Sequence[float], request_overhead_s: float = 0.0,
                   source: str = "") -> Efficiency:
-    g, m, a, s, q = (float(v) for v in params)
-    return Efficiency(gemm=g, memory=m, attention=a, step_overhead_s=s, seq_overhead_s=q,
+    g, m, k, a, s, q, b = (float(v) for v in params)
+    return Efficiency(gemm=g, memory=m, kv_memory=k, attention=a, combine="sum",
+                      step_overhead_s=s, seq_overhead_s=q, batch_overhead_s=b,
                       request_overhead_s=request_overhead_s, source=source)
 
 
@@ -528,7 +535,9 @@ def fit_report(model: ModelConfig, hw: Hardware, samples: Sequence[StepSample]) 
 
 
 def efficiency_params(e: Efficiency) -> np.ndarray:
-    return np.array([e.gemm, e.memory, e.attention, e.step_overhead_s, e.seq_overhead_s])
+    kv = e.kv_memory if e.kv_memory is not None else e.memory
+    return np.array([e.gemm, e.memory, kv, e.attention, e.step_overhead_s, e.seq_overhead_s,
+                     e.batch_overhead_s])
 
 
 # -- 4. serving ----------------------------------------------------------------------------------
@@ -905,9 +914,11 @@ def print_calibration(console: Console, cal: Calibration) -> None:
     fit = Table("parameter", "value", title="fitted")
     fit.add_row("gemm (of the int8 peak)", f"{e.gemm:.3f}")
     fit.add_row("memory (of the read bandwidth)", f"{e.memory:.3f}")
+    fit.add_row("kv_memory (attention's KV, of the read bandwidth)", f"{e.kv_memory:.3f}")
     fit.add_row("attention (of the float32 peak)", f"{e.attention:.3f}")
     fit.add_row("step_overhead_s", f"{e.step_overhead_s * 1e3:.2f} ms")
     fit.add_row("seq_overhead_s", f"{e.seq_overhead_s * 1e3:.3f} ms")
+    fit.add_row("batch_overhead_s (more than one row)", f"{e.batch_overhead_s * 1e3:.2f} ms")
     fit.add_row("request_overhead_s", f"{e.request_overhead_s * 1e3:.2f} ms")
     fit.add_row("  of which the event loop's: request_serial_s",
                 f"{e.request_serial_s * 1e3:.2f} ms")

@@ -1,8 +1,10 @@
 """What one engine step costs on a device: a roofline of the work the step does.
 
-Each op of a layer takes max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth), where
-achieved = peak × the device's `Efficiency` for that op kind; the step adds its layers' ops, the
-LM head of the rows it samples, tensor-parallel all-reduces and a fixed overhead. The ops:
+Each op of a layer takes max(FLOPs / achieved FLOP/s, bytes / achieved bandwidth) (on a CPU,
+whose cores do both, their sum: `Efficiency.combine`), where achieved = peak × the device's
+`Efficiency` for that op kind (the KV cache's traffic at `kv_memory`); the step adds its
+layers' ops, the LM head of the rows it samples, tensor-parallel all-reduces and a fixed
+overhead. The ops:
 
 - projections (`gemm`): Q, K, V and O (MLA's low-rank ones for DeepSeek) and dense MLPs: 2 FLOPs
   per weight per token; every weight read once a step, plus the activations in and out;
@@ -20,7 +22,8 @@ LM head of the rows it samples, tensor-parallel all-reduces and a fixed overhead
 - tensor parallelism (`comm`): weights, heads and the head's vocabulary split `tp` ways (KV heads
   replicated when fewer than `tp`; MLA's latent on every rank), two ring all-reduces of the
   hidden state per layer;
-- `overhead`: the engine's fixed time per step and per scheduled request.
+- `overhead`: the engine's fixed time per step and per scheduled request, and a batch's
+  (more than one token row) own.
 
 The numbers are in `Hardware` and its `Efficiency`; nothing here is a fitted constant.
 """
@@ -120,6 +123,12 @@ class CostModel:
         self.head_flops = gemm_rate(hw, head)
         self.attn_flops = hw.peak_flops(act) * eff.attention
         self.bandwidth = hw.memory_bandwidth * eff.memory
+        self.kv_bandwidth = hw.memory_bandwidth * (eff.kv_memory if eff.kv_memory is not None
+                                                   else eff.memory)
+        if eff.combine not in ("max", "sum"):
+            raise ValueError(f"efficiency.combine is 'max' or 'sum', not {eff.combine!r}")
+        self.additive = eff.combine == "sum"
+        self.batch_overhead_s = eff.batch_overhead_s
         self._shapes(model)
 
     def _shapes(self, m: ModelConfig) -> None:
@@ -167,13 +176,19 @@ class CostModel:
 
     def _op(self, cost: StepCost, kind: str, flops: float, nbytes: float, rate: float,
             count: int = 1) -> None:
-        compute, memory = flops / rate, nbytes / self.bandwidth
-        t = max(compute, memory) * count
-        cost.by_kind[kind] += t
-        if compute >= memory:
-            cost.compute_s += t
+        bandwidth = self.kv_bandwidth if kind == "attention" else self.bandwidth
+        compute, memory = flops / rate, nbytes / bandwidth
+        if self.additive:
+            cost.by_kind[kind] += (compute + memory) * count
+            cost.compute_s += compute * count
+            cost.memory_s += memory * count
         else:
-            cost.memory_s += t
+            t = max(compute, memory) * count
+            cost.by_kind[kind] += t
+            if compute >= memory:
+                cost.compute_s += t
+            else:
+                cost.memory_s += t
         cost.flops += flops * count
         cost.bytes += nbytes * count
 
@@ -233,7 +248,8 @@ class CostModel:
             per = hw.allreduce_latency_s + 2 * (self.tp - 1) / self.tp * message / \
                 hw.group_bandwidth(self.tp)
             cost.by_kind["comm"] += 2 * layers * per
-        cost.by_kind["overhead"] += self.step_overhead_s + self.seq_overhead_s * len(work)
+        cost.by_kind["overhead"] += (self.step_overhead_s + self.seq_overhead_s * len(work)
+                                     + (self.batch_overhead_s if total > 1 else 0.0))
         cost.seconds = sum(cost.by_kind.values())
         return cost
 

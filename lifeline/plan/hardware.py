@@ -34,8 +34,20 @@ class Efficiency:
     """Of the peak memory bandwidth, streaming weights and KV cache."""
     attention: float = 0.5
     """Of the peak tensor FLOP/s, in attention's matrix multiplies (FlashAttention-like)."""
+    kv_memory: float | None = None
+    """Of the peak memory bandwidth, attention reading and writing the KV cache, where its
+    kernel reaches a different share than streaming weights; None: `memory`."""
+    combine: str = "max"
+    """How an op's compute and memory times make its time: "max", the roofline of a GPU,
+    whose memory system feeds the tensor cores while they compute; "sum", a CPU's, whose
+    cores issue the loads and the arithmetic themselves, so small matrix multiplies overlap
+    little of the two (fitted on this machine's own steps, `lifeline plan calibrate`)."""
     step_overhead_s: float = 0.0
     """Fixed time of every step: scheduling, input preparation, kernel launches, sampling."""
+    batch_overhead_s: float = 0.0
+    """Added to `step_overhead_s` for a step of more than one token row: engines run a single
+    row through a matrix-vector kernel and batches through a GEMM with its own set-up (on a CPU
+    with oneDNN, Lifeline's int8 projections take fbgemm for one row and oneDNN for more)."""
     seq_overhead_s: float = 0.0
     """Time per request scheduled in a step (its inputs, sampling, output handling)."""
     request_overhead_s: float = 0.0
