@@ -78,22 +78,28 @@ def test_fit_is_robust_to_a_few_steps_a_neighbour_slowed(model):
     assert report.median_abs_error < 0.03, report.rows
 
 
-def test_served_fit_recovers_the_servers_own_costs(model):
-    """Served runs simulated with known serving costs (the planner as the 'server') are fitted
-    back from the bare engine's hardware."""
-    bare = cal.peak_hardware(PEAKS, TRUE)
-    served = dataclasses.replace(bare, efficiency=dataclasses.replace(
-        TRUE, step_overhead_s=TRUE.step_overhead_s + 0.002,
-        seq_overhead_s=TRUE.seq_overhead_s + 0.0015, request_overhead_s=0.012,
-        request_serial_s=0.001))
-    loads = (cal.ServedPoint(1, 3, 64, 16), cal.ServedPoint(2, 6, 256, 32),
-             cal.ServedPoint(12, 24, 40, 32))  # SERVED_POINTS, smaller
-    points = [(cal.bench_settings("plan://x", p), cal.summary_point(
-        cal.simulate(cal.bench_settings("plan://x", p), model, served))) for p in loads]
-    fitted, found = cal.fit_served(model, bare, points, serial_s=0.001)
-    assert found["step_overhead_added_s"] == pytest.approx(0.002, rel=0.1, abs=2e-4)
-    assert found["seq_overhead_added_s"] == pytest.approx(0.0015, rel=0.1)
-    assert found["request_overhead_s"] == pytest.approx(0.012, rel=0.1, abs=1e-3)
+def test_serving_is_measured_from_the_requests_own_timings():
+    """The front is the server's front plus what the client saw beyond the server's TTFT;
+    streaming's addition is the client's TPOT less the server's decode time per token."""
+    def request(ttft, server_ttft, front, tpot, decode, tokens):
+        return {"ttft_ms": ttft, "tpot_ms": tpot, "usage_output_tokens": tokens,
+                "server_timings": {"server_ttft_ms": server_ttft, "front_ms": front,
+                                   "decode_ms": decode}}
+
+    runs = [{"requests": [request(60, 57, 0.5, 12.6, 12.5 * 31, 32),
+                          request(70, 66, 0.7, 13.0, 12.8 * 31, 32)]},
+            {"requests": [request(100, 97, 0.6, 20.0, 20.0 * 15, 16),
+                          request(None, None, None, None, None, 0)]}]
+    found = cal.measure_serving(runs)
+    assert found["request_serial_s"] == pytest.approx(0.6e-3)
+    assert found["client_network_s"] == pytest.approx(3e-3)
+    assert found["request_overhead_s"] == pytest.approx(3.6e-3)
+    assert found["stream_s"] == pytest.approx(0.1e-3)
+    hw = cal.with_serving(cal.peak_hardware(PEAKS, TRUE), found)
+    assert hw.efficiency.request_overhead_s == pytest.approx(3.6e-3)
+    assert hw.efficiency.gemm == TRUE.gemm
+    with pytest.raises(ValueError, match="no server timings"):
+        cal.measure_serving([{"requests": [{"ttft_ms": 5.0}]}])
 
 
 # -- the real engine and a real server ----------------------------------------------------------
@@ -120,9 +126,8 @@ def quick(tmp_path_factory):
     # the model is int8-all already: the server's engine takes it as it is
     with ServerThread(loaded, ServerConfig(engine=EngineConfig(weights="fp32"))) as server:
         runs = cal.measure_served(server.base_url + "/v1", cal.QUICK_SERVED_POINTS)
-        points = [(s, cal.summary_point(r)) for s, r in runs]
-        hw, found = cal.fit_served(model, result.hardware, points,
-                                   serial_s=cal.server_front_s([r for _, r in runs]))
+        found = cal.measure_serving([r for _, r in runs])
+        hw = cal.with_serving(result.hardware, found)
         check = cal.measure_served(server.base_url + "/v1", (CHECK,))[0]
     yield model, result, hw, found, check
 

@@ -26,13 +26,17 @@ measured, in four parts:
    efficiency above 1 (reweighted non-negative least squares; `fit_steps`). The table printed
    sets the `CostModel`'s own predictions beside the measurements.
 4. Serving: a short `lifeline bench` run (the bench's own code) against a real `lifeline
-   serve` on loopback, at 1 user of 64-token prompts, 2 of 256 and 12 of 40, is simulated with the fitted
-   hardware (`run_plan`, the planner itself). What the server adds over the bare engine is
-   fitted so the simulation matches: per step and per streamed request (the engine shares two
-   cores with the event loop that writes every token's SSE event and with the client reading
-   it) from TPOT, and `request_overhead_s` (HTTP, tokenizer, the first event's delivery) from
-   TTFT (the front is one thread, so requests sent together reach the engine one front
-   apart, as `lifeline.plan.run` simulates them). These load points differ from `benchmarks/plan_vs_bench.py`'s validation.
+   serve` on loopback, at 1 user of 64-token prompts, 2 of 256 and 12 of 40, measures what the
+   server adds over the bare engine from each request's own timings (`measure_serving`): the
+   front before the engine (`request_serial_s`, on the server's one event loop, so requests
+   sent together reach the engine one front apart, as `lifeline.plan.run` simulates them) and
+   the time outside the server's accounting (client, network, the first event's delivery),
+   together `request_overhead_s`. Streaming adds nothing measurable to TPOT (the client's TPOT
+   is the server's decode time per token), so a served step costs what the bare engine's
+   does; the served points are then simulated with the result, beside their measurements.
+   Measured, not fitted: a fit of TPOT or TTFT here would take a slow spell of the machine
+   (its speed drifts by ±25% over minutes) for a cost of serving. These load points differ
+   from `benchmarks/plan_vs_bench.py`'s validation.
 
 The hardware is saved where `--hardware this-cpu` finds it (`calibration_path()`), the
 measurements and the fit beside it (`*.calibration.json`).
@@ -605,72 +609,47 @@ def summary_point(results: dict[str, Any]) -> dict[str, float]:
             "output_tok_s": s["output_throughput_tok_s"]}
 
 
-def server_front_s(results: Sequence[dict[str, Any]]) -> float:
-    """The median front time (gateway, template, tokenizer) the server reported for its
-    requests: the part of the request overhead on its event loop."""
-    fronts = [(r.get("server_timings") or {}).get("front_ms") for res in results
-              for r in res["requests"]]
-    fronts = [f for f in fronts if f is not None]
-    return float(np.median(fronts)) / 1e3 if fronts else 0.0
-
-
 def simulate(settings: BenchSettings, model: ModelConfig, hw: Hardware) -> dict[str, Any]:
     from lifeline.plan.run import run_plan
 
     return run_plan(dataclasses.replace(settings), served_deployment(model, hw))
 
 
-def fit_served(model: ModelConfig, hw: Hardware,
-               measured: Sequence[tuple[BenchSettings, dict[str, float]]],
-               serial_s: float = 0.0, iterations: int = 6) -> tuple[Hardware, dict[str, float]]:
-    """`hw` with what serving adds, fitted on the planner's own simulation of each load point:
-    per step and per request in a step from TPOT p50 (two or more batch sizes; with one, per
-    request alone), iterated until the simulated TPOT matches; then `request_overhead_s`, the
-    front each request passes before the engine, from TTFT p50 (a golden-section search: TTFT
-    is not linear in it, since a request that just misses a step waits for the whole step).
-    `serial_s`: the front's part on the server's event loop (`Efficiency.request_serial_s`,
-    what the server reports as its own front time), which staggers requests sent together."""
-    base = hw.efficiency
-    users = np.array([s.concurrency for s, _ in measured], dtype=float)
-    step_add = seq_add = 0.0
-    front = serial_s
+def measure_serving(runs: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """What serving adds to the bare engine, read from served runs' own per-request timings
+    (the client's clock beside the server's, taken at the same moments, so a slow spell of the
+    machine slows both alike): the front before the engine (the server's gateway, template and
+    tokenizer: `request_serial_s`, on its one event loop) plus the time outside the server's
+    accounting (the client's send, the network, the first event's delivery) make
+    `request_overhead_s`; `stream_s`, the client's TPOT less the server's decode time per
+    token, is what streaming adds to each token (recorded, not priced: the client reads each
+    event as the engine makes it)."""
+    outside, front, stream = [], [], []
+    for results in runs:
+        for r in results["requests"]:
+            t = r.get("server_timings") or {}
+            if r.get("ttft_ms") is not None and t.get("server_ttft_ms") is not None:
+                outside.append(r["ttft_ms"] - t["server_ttft_ms"])
+            if t.get("front_ms") is not None:
+                front.append(t["front_ms"])
+            tokens = r.get("usage_output_tokens") or 0
+            if r.get("tpot_ms") is not None and t.get("decode_ms") is not None and tokens > 1:
+                stream.append(r["tpot_ms"] - t["decode_ms"] / (tokens - 1))
+    if not outside or not front:
+        raise ValueError("the served runs carry no server timings: is the server Lifeline?")
 
-    def trial(step_add: float, seq_add: float, front: float) -> Hardware:
-        return dataclasses.replace(hw, efficiency=dataclasses.replace(
-            base, step_overhead_s=base.step_overhead_s + step_add,
-            seq_overhead_s=base.seq_overhead_s + seq_add, request_overhead_s=front,
-            request_serial_s=serial_s))
+    def median_s(values: list[float]) -> float:
+        return float(np.median(values)) / 1e3 if values else 0.0
 
-    def predict(h: Hardware) -> list[dict[str, float]]:
-        return [summary_point(simulate(s, model, h)) for s, _ in measured]
-
-    def ttft_error(front: float) -> float:
-        pred = predict(trial(step_add, seq_add, front))
-        return float(sum(math.log(p["ttft_ms"] / m["ttft_ms"]) ** 2
-                         for (_, m), p in zip(measured, pred)))
-
-    def fit_tpot(step_add: float, seq_add: float, front: float) -> tuple[float, float]:
-        for _ in range(iterations):
-            pred = predict(trial(step_add, seq_add, front))
-            d_tpot = np.array([(m["tpot_ms"] - p["tpot_ms"]) / 1e3
-                               for (_, m), p in zip(measured, pred)])
-            if np.all(np.abs(d_tpot) < 5e-5):
-                break
-            step_add, seq_add = _serving_costs(users, d_tpot, step_add, seq_add)
-        return step_add, seq_add
-
-    # TPOT hardly moves with the front; TTFT does with the step costs
-    step_add, seq_add = fit_tpot(step_add, seq_add, front)
-    for _ in range(2):
-        front = golden_section(ttft_error, serial_s, MAX_FRONT_S)
-        step_add, seq_add = fit_tpot(step_add, seq_add, front)
-    return trial(step_add, seq_add, front), {
-        "step_overhead_added_s": step_add, "seq_overhead_added_s": seq_add,
-        "request_overhead_s": front, "request_serial_s": serial_s}
+    serial, rest = median_s(front), max(0.0, median_s(outside))
+    return {"request_overhead_s": serial + rest, "request_serial_s": serial,
+            "client_network_s": rest, "stream_s": median_s(stream)}
 
 
-MAX_FRONT_S = 0.25
-"""The longest front the search considers."""
+def with_serving(hw: Hardware, serving: dict[str, float]) -> Hardware:
+    return dataclasses.replace(hw, efficiency=dataclasses.replace(
+        hw.efficiency, request_overhead_s=serving["request_overhead_s"],
+        request_serial_s=serving["request_serial_s"]))
 
 
 def golden_section(f: Callable[[float], float], lo: float, hi: float,
@@ -690,25 +669,6 @@ def golden_section(f: Callable[[float], float], lo: float, hi: float,
             d = a + ratio * (b - a)
             fd = f(d)
     return (a + b) / 2
-
-
-def _serving_costs(users: np.ndarray, d_tpot: np.ndarray, step_add: float,
-                   seq_add: float) -> tuple[float, float]:
-    """The next (per step, per request) additions. TPOT per token ≈ a step's time, so the
-    additions should explain `target` = what they explain now + what is still missing, as
-    step + users · per request: least squares over the points (one batch size: per request
-    alone), neither negative (serving only adds to the bare engine's work: its event loop and
-    the client share the cores)."""
-    target = d_tpot + step_add + users * seq_add
-    if len(set(users.tolist())) < 2:
-        return 0.0, max(0.0, float(np.mean(target / users)))
-    a = np.stack([np.ones_like(users), users], 1)
-    step_t, seq_t = (float(v) for v in np.linalg.lstsq(a, target, rcond=None)[0])
-    if step_t < 0:
-        step_t, seq_t = 0.0, float(np.sum(users * target) / np.sum(users * users))
-    elif seq_t < 0:
-        step_t, seq_t = float(np.mean(target)), 0.0
-    return max(0.0, step_t), max(0.0, seq_t)
 
 
 class ServeProcess:
@@ -869,8 +829,8 @@ def calibrate(*, quick: bool = False, engine: LLMEngine | None = None, url: str 
             runs = measure_served(url, points, progress)
             foreign["served runs"] = meter.share()  # an in-process server counts as ours
         measured_points = [(s, summary_point(r)) for s, r in runs]
-        hw, cal.served_fit = fit_served(model, hw, measured_points,
-                                        serial_s=server_front_s([r for _, r in runs]))
+        cal.served_fit = measure_serving([r for _, r in runs])
+        hw = with_serving(hw, cal.served_fit)
         for settings, point in measured_points:
             sim = summary_point(simulate(settings, model, hw))
             cal.served.append({"users": settings.concurrency,
@@ -880,8 +840,8 @@ def calibrate(*, quick: bool = False, engine: LLMEngine | None = None, url: str 
                                "predicted": sim})
         users = ", ".join(str(s.concurrency) for s, _ in measured_points)
         hw = dataclasses.replace(hw, efficiency=dataclasses.replace(
-            hw.efficiency, source=source + f"; served overheads fitted on `lifeline bench` "
-                                           f"against `lifeline serve` at {users} users"))
+            hw.efficiency, source=source + f"; the front measured by `lifeline bench` against "
+                                           f"`lifeline serve` at {users} users"))
         cal.hardware = hw
     cal.wall_s = time.perf_counter() - t0
     return cal
@@ -922,9 +882,11 @@ def print_calibration(console: Console, cal: Calibration) -> None:
     fit.add_row("request_overhead_s", f"{e.request_overhead_s * 1e3:.2f} ms")
     fit.add_row("  of which the event loop's: request_serial_s",
                 f"{e.request_serial_s * 1e3:.2f} ms")
-    for k, v in cal.served_fit.items():
-        if k.endswith("_added_s"):
-            fit.add_row(f"  of which serving: {k.removesuffix('_added_s')}", f"{v * 1e3:+.3f} ms")
+    if cal.served_fit:
+        fit.add_row("  the rest: client, network, first event",
+                    f"{cal.served_fit['client_network_s'] * 1e3:.2f} ms")
+        fit.add_row("streaming's addition to TPOT (not priced)",
+                    f"{cal.served_fit['stream_s'] * 1e3:+.3f} ms")
     console.print(fit)
     if cal.served:
         served = Table("served point", "TTFT p50 ms", "plan", "TPOT p50 ms", "plan",
