@@ -223,11 +223,11 @@ FULL_GRID = StepGrid(
     batched_prefill=((4, 128), (2, 256), (8, 48)),
     decode=((1, 64), (1, 256), (1, 1024), (2, 128), (4, 128), (4, 512), (6, 96), (8, 64),
             (8, 256), (12, 96), (16, 128), (24, 64), (32, 48)),
-    decode_steps=6, passes=2)
+    decode_steps=6, passes=3)
 """On this machine a step of one shape varies by ±25% from the next and the machine's speed
-drifts by as much over tens of seconds (docs/plan.md): two passes in shuffled orders, so a slow
-spell spreads over shapes instead of bending the fit, of twelve decode steps of each batch and
-four prefills of each length in all."""
+drifts by as much over minutes (docs/plan.md): three passes in shuffled orders, so a slow
+spell spreads over shapes instead of bending the fit, of eighteen decode steps of each batch
+and six prefills of each length in all."""
 QUICK_GRID = StepGrid(
     prefill=(48, 200, 512), repeats=1, long_prompts=(), batched_prefill=((4, 64),),
     decode=((1, 48), (4, 96), (12, 32)), decode_steps=4, passes=2)
