@@ -44,6 +44,7 @@ measurements and the fit beside it (`*.calibration.json`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -797,9 +798,27 @@ def calibrate(*, quick: bool = False, engine: LLMEngine | None = None, url: str 
     if model is None:  # the GGUF's config, as `lifeline plan --model FILE.gguf` reads it
         model = dataclasses.replace(engine.model_config,
                                     name=engine.model_config.name or DEFAULT_NAME)
-    meter = ForeignLoad()
-    samples = measure_steps(engine, grid, task("engine steps", grid.items()))
-    foreign = {"engine steps": meter.share()}
+    points = (QUICK_SERVED_POINTS if quick else SERVED_POINTS) if serve else ()
+    samples: list[StepSample] = []
+    runs: list[tuple[int, BenchSettings, dict[str, Any]]] = []
+    foreign: dict[str, float] = {}
+    with contextlib.ExitStack() as stack:
+        server_url, pids = url, ()
+        if serve and url is None:
+            advance = task("lifeline serve: loading, compiling", 1)
+            server = stack.enter_context(ServeProcess())
+            server_url, pids = server.url, (server.proc.pid,)
+            advance()
+        meter = ForeignLoad(pids)
+        one_pass = dataclasses.replace(grid, passes=1)
+        advance = task("engine steps", grid.passes * one_pass.items())
+        for k in range(grid.passes):
+            # bare steps and served runs in turn: both see each spell of the machine's speed
+            samples += measure_steps(engine, one_pass, advance, seed=k)
+            if points:
+                varied = [dataclasses.replace(p, seed=p.seed + 1000 * k) for p in points]
+                runs += [(k, s, r) for s, r in measure_served(server_url, varied, progress)]
+        foreign["engine steps and served runs"] = meter.share()
     if own:
         del engine
     advance = task("fit", 1)
@@ -815,33 +834,29 @@ def calibrate(*, quick: bool = False, engine: LLMEngine | None = None, url: str 
     hw = dataclasses.replace(hw, efficiency=efficiency_of(params, source=source))
     engine_fit = fit_report(model, hw, samples)
     cal = Calibration(hw, peaks, samples, engine_fit, threads=threads, foreign_cores=foreign)
-    if serve:
-        points = QUICK_SERVED_POINTS if quick else SERVED_POINTS
-        if url is None:
-            advance = task("lifeline serve: loading, compiling", 1)
-            with ServeProcess() as server:
-                advance()
-                meter = ForeignLoad((server.proc.pid,))
-                runs = measure_served(server.url, points, progress)
-                foreign["served runs"] = meter.share()
-        else:
-            meter = ForeignLoad()
-            runs = measure_served(url, points, progress)
-            foreign["served runs"] = meter.share()  # an in-process server counts as ours
-        measured_points = [(s, summary_point(r)) for s, r in runs]
-        cal.served_fit = measure_serving([r for _, r in runs])
+    if runs:
+        cal.served_fit = measure_serving([r for _, _, r in runs])
         hw = with_serving(hw, cal.served_fit)
-        for settings, point in measured_points:
-            sim = summary_point(simulate(settings, model, hw))
-            cal.served.append({"users": settings.concurrency,
+        simulated = [summary_point(simulate(s, model, hw)) for _, s, _ in runs]
+        ratios = [summary_point(r)["tpot_ms"] / sim["tpot_ms"]
+                  for (_, _, r), sim in zip(runs, simulated)]
+        factor = max(1.0, float(np.median(ratios)))
+        cal.served_fit["served_step_factor"] = factor
+        cal.served_fit["tpot_ratios"] = ratios
+        hw = dataclasses.replace(hw, efficiency=dataclasses.replace(
+            hw.efficiency, served_step_factor=factor))
+        for k, settings, results in runs:
+            cal.served.append({"pass": k + 1, "users": settings.concurrency,
                                "input_tokens": settings.input_tokens,
                                "output_tokens": settings.output_tokens,
-                               "requests": settings.requests, "measured": point,
-                               "predicted": sim})
-        users = ", ".join(str(s.concurrency) for s, _ in measured_points)
+                               "requests": settings.requests,
+                               "measured": summary_point(results),
+                               "predicted": summary_point(simulate(settings, model, hw))})
+        users = ", ".join(str(p.users) for p in points)
         hw = dataclasses.replace(hw, efficiency=dataclasses.replace(
-            hw.efficiency, source=source + f"; the front measured by `lifeline bench` against "
-                                           f"`lifeline serve` at {users} users"))
+            hw.efficiency, source=source + f"; the front and the served steps' slowdown "
+                                           f"measured by `lifeline bench` against `lifeline "
+                                           f"serve` at {users} users, between the step passes"))
         cal.hardware = hw
     cal.wall_s = time.perf_counter() - t0
     return cal
@@ -882,6 +897,8 @@ def print_calibration(console: Console, cal: Calibration) -> None:
     fit.add_row("request_overhead_s", f"{e.request_overhead_s * 1e3:.2f} ms")
     fit.add_row("  of which the event loop's: request_serial_s",
                 f"{e.request_serial_s * 1e3:.2f} ms")
+    fit.add_row("served_step_factor (a served step over a bare one)",
+                f"{e.served_step_factor:.3f}")
     if cal.served_fit:
         fit.add_row("  the rest: client, network, first event",
                     f"{cal.served_fit['client_network_s'] * 1e3:.2f} ms")
@@ -889,11 +906,12 @@ def print_calibration(console: Console, cal: Calibration) -> None:
                     f"{cal.served_fit['stream_s'] * 1e3:+.3f} ms")
     console.print(fit)
     if cal.served:
-        served = Table("served point", "TTFT p50 ms", "plan", "TPOT p50 ms", "plan",
+        served = Table("pass", "served point", "TTFT p50 ms", "plan", "TPOT p50 ms", "plan",
                        "output tok/s", "plan", title="served calibration points")
         for row in cal.served:
             m, s = row["measured"], row["predicted"]
-            served.add_row(f"{row['users']} users, {row['input_tokens']}/{row['output_tokens']}",
+            served.add_row(str(row.get("pass", 1)),
+                           f"{row['users']} users, {row['input_tokens']}/{row['output_tokens']}",
                            f"{m['ttft_ms']:.0f}", f"{s['ttft_ms']:.0f}", f"{m['tpot_ms']:.1f}",
                            f"{s['tpot_ms']:.1f}", f"{m['output_tok_s']:.1f}",
                            f"{s['output_tok_s']:.1f}")

@@ -23,7 +23,9 @@ overhead. The ops:
   replicated when fewer than `tp`; MLA's latent on every rank), two ring all-reduces of the
   hidden state per layer;
 - `overhead`: the engine's fixed time per step and per scheduled request, and a batch's
-  (more than one token row) own.
+  (more than one token row) own;
+- a served step's slowdown over the bare engine's (`served_step_factor`: on a CPU the server
+  shares the cores with the engine), applied to all of it.
 
 The numbers are in `Hardware` and its `Efficiency`; nothing here is a fitted constant.
 """
@@ -129,6 +131,7 @@ class CostModel:
             raise ValueError(f"efficiency.combine is 'max' or 'sum', not {eff.combine!r}")
         self.additive = eff.combine == "sum"
         self.batch_overhead_s = eff.batch_overhead_s
+        self.served_step_factor = eff.served_step_factor
         self._shapes(model)
 
     def _shapes(self, m: ModelConfig) -> None:
@@ -250,6 +253,11 @@ class CostModel:
             cost.by_kind["comm"] += 2 * layers * per
         cost.by_kind["overhead"] += (self.step_overhead_s + self.seq_overhead_s * len(work)
                                      + (self.batch_overhead_s if total > 1 else 0.0))
+        if self.served_step_factor != 1.0:
+            f = self.served_step_factor
+            cost.by_kind = {k: v * f for k, v in cost.by_kind.items()}
+            cost.compute_s *= f
+            cost.memory_s *= f
         cost.seconds = sum(cost.by_kind.values())
         return cost
 

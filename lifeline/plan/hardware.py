@@ -50,6 +50,10 @@ class Efficiency:
     with oneDNN, Lifeline's int8 projections take fbgemm for one row and oneDNN for more)."""
     seq_overhead_s: float = 0.0
     """Time per request scheduled in a step (its inputs, sampling, output handling)."""
+    served_step_factor: float = 1.0
+    """How much longer a step takes in a serving process than the bare engine's same step: on
+    a CPU the server's event loop and the client share the cores with the engine (measured by
+    `lifeline plan calibrate`); 1 where the engine has the device to itself (a GPU)."""
     request_overhead_s: float = 0.0
     """Fixed time of every request before its first step: HTTP, chat template, tokenizer."""
     request_serial_s: float = 0.0
