@@ -3,6 +3,7 @@ the load on the virtual clock. The catalog and the command line are in test_plan
 the check against the real engine on this CPU in test_plan_cpu.py."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -99,6 +100,44 @@ def test_roofline_terms_decode_is_bandwidth_prefill_is_compute():
     assert prefill.bound == "compute"
     flops = 2 * 4096 * (cost.model.num_params() - cost.model.vocab_size * 4096 * 2)
     assert prefill.by_kind["gemm"] == pytest.approx(flops / (800e12 * 0.5), rel=0.02)
+
+
+def test_a_cpus_ops_add_their_compute_and_memory_and_a_batch_pays_its_gemm_set_up():
+    """`combine="sum"`: each op costs compute + memory (a GPU: the larger); attention's KV at
+    `kv_memory`; `batch_overhead_s` only for a step of more than one row;
+    `served_step_factor` scales the whole step."""
+    model = preset_config("gemma-3-270m")
+    cpu = Hardware("test-cpu", "Test CPU", "cpu", {"fp32": 100e9, "int8": 400e9}, 20e9,
+                   16e9, 20e9, "memory", 0.0, "test", "2026-12",
+                   efficiency=Efficiency(gemm=0.5, memory=0.8, kv_memory=0.2, attention=0.4,
+                                         combine="sum", step_overhead_s=3e-3,
+                                         seq_overhead_s=1e-4, batch_overhead_s=5e-3))
+    roof = dataclasses.replace(cpu, efficiency=dataclasses.replace(cpu.efficiency,
+                                                                   combine="max"))
+    work = [(1, 300), (1, 40)]
+    add = CostModel(model, cpu, weights="int8", kv_dtype="fp32").step(work, 2)
+    big = CostModel(model, roof, weights="int8", kv_dtype="fp32").step(work, 2)
+    assert add.compute_s > 0 and add.memory_s > 0
+    assert add.seconds == pytest.approx(add.compute_s + add.memory_s + add.by_kind["overhead"])
+    assert big.seconds < add.seconds
+    # the KV read at kv_memory of the bandwidth: 340 tokens of context, K and V, every layer
+    kv = CostModel(model, cpu, weights="int8", kv_dtype="fp32")
+    context_bytes = 340 * kv.kv_bytes * model.num_layers
+    half = dataclasses.replace(cpu, efficiency=dataclasses.replace(cpu.efficiency,
+                                                                   kv_memory=0.1))
+    slower = CostModel(model, half, weights="int8", kv_dtype="fp32").step(work, 2)
+    assert slower.by_kind["attention"] - add.by_kind["attention"] > context_bytes / (
+        20e9 * 0.2)
+    one = kv.step([(1, 300)], 1)
+    assert one.by_kind["overhead"] == pytest.approx(3e-3 + 1e-4)
+    assert add.by_kind["overhead"] == pytest.approx(3e-3 + 2e-4 + 5e-3)
+    served = dataclasses.replace(cpu, efficiency=dataclasses.replace(cpu.efficiency,
+                                                                     served_step_factor=1.25))
+    assert CostModel(model, served, weights="int8", kv_dtype="fp32").step(
+        work, 2).seconds == pytest.approx(1.25 * add.seconds)
+    with pytest.raises(ValueError, match="combine"):
+        CostModel(model, dataclasses.replace(cpu, efficiency=dataclasses.replace(
+            cpu.efficiency, combine="mean")))
 
 
 def test_kv_bytes_follow_gqa_mqa_and_dtype():

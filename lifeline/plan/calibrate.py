@@ -621,30 +621,33 @@ def measure_serving(runs: Sequence[dict[str, Any]]) -> dict[str, float]:
     (the client's clock beside the server's, taken at the same moments, so a slow spell of the
     machine slows both alike): the front before the engine (the server's gateway, template and
     tokenizer: `request_serial_s`, on its one event loop) plus the time outside the server's
-    accounting (the client's send, the network, the first event's delivery) make
-    `request_overhead_s`; `stream_s`, the client's TPOT less the server's decode time per
-    token, is what streaming adds to each token (recorded, not priced: the client reads each
-    event as the engine makes it)."""
+    accounting (the client's send, the network, the first event's delivery), together
+    `request_overhead_s`. The outside part is the least of the runs' medians: in a loaded run
+    it also holds the wait for the busy event loop, which the simulation's serial front
+    models itself. `stream_s`, the client's TPOT less the server's decode time per token, is
+    what streaming adds to each token (recorded, not priced: the client reads each event as
+    the engine makes it)."""
     outside, front, stream = [], [], []
     for results in runs:
+        gaps = []
         for r in results["requests"]:
             t = r.get("server_timings") or {}
             if r.get("ttft_ms") is not None and t.get("server_ttft_ms") is not None:
-                outside.append(r["ttft_ms"] - t["server_ttft_ms"])
+                gaps.append(r["ttft_ms"] - t["server_ttft_ms"])
             if t.get("front_ms") is not None:
                 front.append(t["front_ms"])
             tokens = r.get("usage_output_tokens") or 0
             if r.get("tpot_ms") is not None and t.get("decode_ms") is not None and tokens > 1:
                 stream.append(r["tpot_ms"] - t["decode_ms"] / (tokens - 1))
+        if gaps:
+            outside.append(float(np.median(gaps)))
     if not outside or not front:
         raise ValueError("the served runs carry no server timings: is the server Lifeline?")
-
-    def median_s(values: list[float]) -> float:
-        return float(np.median(values)) / 1e3 if values else 0.0
-
-    serial, rest = median_s(front), max(0.0, median_s(outside))
+    serial = float(np.median(front)) / 1e3
+    rest = max(0.0, min(outside) / 1e3)
     return {"request_overhead_s": serial + rest, "request_serial_s": serial,
-            "client_network_s": rest, "stream_s": median_s(stream)}
+            "client_network_s": rest,
+            "stream_s": float(np.median(stream)) / 1e3 if stream else 0.0}
 
 
 def with_serving(hw: Hardware, serving: dict[str, float]) -> Hardware:
