@@ -656,6 +656,19 @@ def with_serving(hw: Hardware, serving: dict[str, float]) -> Hardware:
         request_serial_s=serving["request_serial_s"]))
 
 
+def with_served_steps(model: ModelConfig, hw: Hardware,
+                      runs: Sequence[tuple[BenchSettings, dict[str, Any]]],
+                      ) -> tuple[Hardware, list[float]]:
+    """`hw` with `served_step_factor`, a served step's cost over the bare engine's: the median
+    of the runs' measured TPOT over the simulated (at least 1), and those ratios. TPOT is read
+    from the same runs as the front, so both see the same spell of the machine's speed."""
+    ratios = [summary_point(r)["tpot_ms"] / summary_point(simulate(s, model, hw))["tpot_ms"]
+              for s, r in runs]
+    factor = max(1.0, float(np.median(ratios)))
+    return dataclasses.replace(hw, efficiency=dataclasses.replace(
+        hw.efficiency, served_step_factor=factor)), ratios
+
+
 def golden_section(f: Callable[[float], float], lo: float, hi: float,
                    tol: float = 1e-3) -> float:
     """A minimum of `f` on [lo, hi] (unimodal there, or one of its local minima)."""
@@ -840,14 +853,9 @@ def calibrate(*, quick: bool = False, engine: LLMEngine | None = None, url: str 
     if runs:
         cal.served_fit = measure_serving([r for _, _, r in runs])
         hw = with_serving(hw, cal.served_fit)
-        simulated = [summary_point(simulate(s, model, hw)) for _, s, _ in runs]
-        ratios = [summary_point(r)["tpot_ms"] / sim["tpot_ms"]
-                  for (_, _, r), sim in zip(runs, simulated)]
-        factor = max(1.0, float(np.median(ratios)))
-        cal.served_fit["served_step_factor"] = factor
+        hw, ratios = with_served_steps(model, hw, [(s, r) for _, s, r in runs])
+        cal.served_fit["served_step_factor"] = hw.efficiency.served_step_factor
         cal.served_fit["tpot_ratios"] = ratios
-        hw = dataclasses.replace(hw, efficiency=dataclasses.replace(
-            hw.efficiency, served_step_factor=factor))
         for k, settings, results in runs:
             cal.served.append({"pass": k + 1, "users": settings.concurrency,
                                "input_tokens": settings.input_tokens,
