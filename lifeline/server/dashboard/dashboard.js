@@ -192,7 +192,10 @@
     if (event.now) state.skew = event.now - Date.now() / 1000;
     const steps = event.steps || [];
     addSteps(steps);
-    upsertRows(event.requests || []);
+    const rows = event.requests || [];
+    const sent = new Set(rows.map((r) => r.id));
+    for (const [id, row] of state.rows) if (inFlight(row) && !sent.has(id) && id !== state.selected) state.rows.delete(id);
+    upsertRows(rows);
     if (event.histograms) state.histograms = event.histograms;
     if (event.engine) {
       const mean = steps.length ? steps.reduce((a, s) => a + s.duration_ms, 0) / steps.length : null;
