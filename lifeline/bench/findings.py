@@ -212,7 +212,8 @@ def _tokenizer(c: CauseFacts, ctx: Context) -> Written:
     title = (f"the tokenizer spends {ratio:.1f}× the tokens of the reference on this text "
              f"({per_char:.2f} tokens per character): {c.lead()}")
     evidence = [f"{text.get('tokens', 0):,} tokens for {chars:,} characters ({scripts}); the "
-                f"reference ({text.get('reference')}) spends {text.get('reference_tokens', 0):,.0f}"]
+                f"reference ({text.get('reference')}) spends "
+                f"{text.get('reference_tokens', 0):,.0f}"]
     if per_word is not None:
         evidence.append(f"{per_word:.2f} tokens per word")
     if text.get("english_tokens_per_char") is not None:
@@ -232,7 +233,8 @@ def _ttft_interference(c: CauseFacts, ctx: Context) -> Written:
     others = c.mean("others_tokens")
     title = f"other requests' work in the same prefill steps: {c.lead()}"
     if chunk:
-        title += f"; waited {c.ms:,.0f} ms behind another request's prefill chunk of {chunk:,} tokens"
+        title += (f"; waited {c.ms:,.0f} ms behind another request's prefill chunk of "
+                  f"{chunk:,} tokens")
     evidence = (f"its prefill steps also carried {others:,.0f} tokens of other requests on "
                 "average" if others else "steps between its chunks ran other requests")
     return (title, evidence + ".",
