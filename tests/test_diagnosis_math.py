@@ -27,23 +27,33 @@ def _step(n, t, requests, preempted=()):
             "decode_tokens": rows}
 
 
-def _random_steps(n=200, seed=0):
-    rng = random.Random(seed)
-    steps = []
-    for i in range(n):
-        rows = rng.randint(0, 8)
-        reqs = [{"id": f"r{j}", "kind": "decode", "tokens": 1, "context": rng.randint(10, 3000),
-                 "sampled": True} for j in range(rows)]
-        if rng.random() < 0.3 or not rows:
-            reqs.append({"id": "p", "kind": "prefill", "tokens": rng.randint(16, 512),
-                         "context": 512, "sampled": False})
-        steps.append(_step(i + 1, i * 0.05, reqs))
+def _chain(batches, gap=0.0):
+    """Steps run back to back, `gap` ms of the engine's own work after each."""
+    steps, t = [], 0.0
+    for i, reqs in enumerate(batches):
+        steps.append(_step(i + 1, t / 1e3, reqs))
+        t += steps[-1]["duration_ms"] + gap
     return steps
 
 
+def _random_steps(n=200, seed=0, gap=0.0):
+    """Random batches; request r0 is in every one, so the engine never idles."""
+    rng = random.Random(seed)
+    batches = []
+    for _ in range(n):
+        rows = rng.randint(1, 8)
+        reqs = [{"id": f"r{j}", "kind": "decode", "tokens": 1, "context": rng.randint(10, 3000),
+                 "sampled": True} for j in range(rows)]
+        if rng.random() < 0.3:
+            reqs.append({"id": "p", "kind": "prefill", "tokens": rng.randint(16, 512),
+                         "context": 512, "sampled": False})
+        batches.append(reqs)
+    return _chain(batches, gap)
+
+
 def test_the_fit_recovers_the_costs_that_made_the_steps():
-    cost = fit_steps(_random_steps())
-    assert cost.base_ms == pytest.approx(A, rel=1e-6)
+    cost = fit_steps(_random_steps(gap=0.25))
+    assert cost.base_ms == pytest.approx(A + 0.25, rel=1e-6)  # a period: forward and the gap
     assert cost.row_ms == pytest.approx(B, rel=1e-6)
     assert cost.prefill_token_ms == pytest.approx(C, rel=1e-6)
     assert cost.context_token_ms == pytest.approx(D, rel=1e-6)
@@ -51,22 +61,23 @@ def test_the_fit_recovers_the_costs_that_made_the_steps():
 
 
 def test_a_batch_that_never_varies_is_confounded_with_the_base_and_costs_nothing_apart():
-    steps = [s for s in _random_steps(400) if sum(r["kind"] == "decode"
-                                                   for r in s["requests"]) == 4]
-    cost = fit_steps(steps)
+    batches = [s["requests"] for s in _random_steps(400)
+               if sum(r["kind"] == "decode" for r in s["requests"]) == 4]
+    cost = fit_steps(_chain(batches))
     assert cost.confounded == ("decode_rows",)
     assert cost.row_ms == 0 and cost.base_ms == pytest.approx(A + 4 * B, rel=1e-6)
 
 
 def test_coefficients_stay_non_negative_on_data_that_would_pull_one_below_zero():
     rng = random.Random(1)
-    steps = []
+    steps, t = [], 0.0
     for i in range(50):
         rows = rng.randint(1, 6)
         reqs = [{"id": f"r{j}", "kind": "decode", "tokens": 1, "context": 100}
                 for j in range(rows)]
-        s = _step(i + 1, i, reqs)
+        s = _step(i + 1, t / 1e3, reqs)
         s["duration_ms"] = 10.0 - 0.3 * rows + rng.random() * 0.01  # faster with more rows
+        t += s["duration_ms"]
         steps.append(s)
     cost = fit_steps(steps)
     assert min(cost.base_ms, cost.row_ms, cost.prefill_token_ms, cost.context_token_ms) >= 0
@@ -154,9 +165,10 @@ def test_ttft_causes_partition_the_ttft_and_split_the_prefill_between_own_and_ot
     assert findings["front"]["ms"] == pytest.approx(1.5)
     # x's first chunk shared its step with one decode row: by tokens, 200 of 201 are its own
     s1, s2 = run.steps[4], run.steps[5]
-    own_steps = s1["duration_ms"] * 200 / 201 + s2["duration_ms"]
+    first = s1["duration_ms"] + run.gap  # the first chunk's period, then the last's forward
+    own_steps = first * 200 / 201 + s2["duration_ms"]
     prefill = rec["server_timings"]["prefill_ms"]
-    own = own_steps * prefill / (s1["duration_ms"] + s2["duration_ms"])
+    own = own_steps * prefill / (first + s2["duration_ms"])
     assert findings["prefill"]["ms"] == pytest.approx(own)
     assert findings["prefill_interference"]["ms"] == pytest.approx(prefill - own)
 

@@ -21,6 +21,10 @@ from lifeline.bench.step_index import StepIndex
 from lifeline.bench.ttft_causes import TTFT_CAUSES, TtftSplit, split_ttft
 
 
+NEGLIGIBLE = 1e-4
+"""A cause below this share of its section is left out (rounding, not a finding)."""
+
+
 @dataclass(slots=True)
 class Finding:
     """One cause of the time, with what shows it and what usually fixes it."""
@@ -88,14 +92,15 @@ def _sections(views: Sequence[RequestView], ctx: Context, summary: dict[str, Any
 
 def rank(section: str, splits: Sequence[TtftSplit | TpotSplit], causes: Sequence[str],
          ctx: Context) -> list[dict[str, Any]]:
-    """The causes' findings, largest first; causes with no time left out."""
+    """The causes' findings, largest first; causes with no time left out (their ms and shares
+    are what rounding left: well under a hundredth of a percent)."""
     if not splits:
         return []
     total = _mean([sum(s.parts.values()) for s in splits])
     findings = []
     for cause in causes:
         ms = _mean([s.parts.get(cause, 0.0) for s in splits])
-        if not ms:
+        if abs(ms) <= NEGLIGIBLE * abs(total):
             continue
         share = ms / total if total else 0.0
         facts = CauseFacts(section, cause, ms, share, [s.facts for s in splits],
@@ -151,7 +156,7 @@ def missing(views: Sequence[RequestView], ctx: Context, notes: Sequence[str]) ->
                    "log: front is only its arrival-to-queue gap")
     if ctx.plan:
         out.append("a plan: its client and network is nil and its front is the deployment's "
-                   "request overhead; it has no prompt text, anatomy or per-request step rows")
+                   "request overhead; it has no prompt text or anatomy")
     if not any(isinstance(v.backend_raw().get("prompt_anatomy"), dict) for v in staged):
         out.append("no prompt anatomy (completions prompts have none, or the server does not "
                    "report it): prompt assembly is not split out of prefill")

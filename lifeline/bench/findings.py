@@ -229,7 +229,8 @@ def _tokenizer(c: CauseFacts, ctx: Context) -> Written:
 
 
 def _ttft_interference(c: CauseFacts, ctx: Context) -> Written:
-    chunk = max((f.get("largest_other_chunk") or 0 for f in c.facts), default=0)
+    chunks = sorted(f["largest_other_chunk"] for f in c.facts if f.get("largest_other_chunk"))
+    chunk = chunks[len(chunks) // 2] if chunks else 0
     others = c.mean("others_tokens")
     title = f"other requests' work in the same prefill steps: {c.lead()}"
     if chunk:
@@ -296,9 +297,13 @@ def _batch(c: CauseFacts, ctx: Context) -> Written:
     title = (f"{rows:,.1f} requests shared each decode step: {c.lead()}" if rows else
              f"batch: {c.lead()}")
     evidence = f"up to {top} requests in a step"
+    others = c.mean("others_context")
     if alone:
         evidence += (f"; a step alone takes {alone:,.2f} ms ({1e3 / alone:,.0f} tokens/s for "
                      f"one user), each other request adds {cost.row_ms:,.3f} ms")
+        if others:
+            evidence += (f" and their {others:,.0f} tokens of context "
+                         f"{cost.context_token_ms * others:,.2f} ms")
     return (title, evidence + ".",
             "per-user speed traded for throughput: a lower max_num_seqs or concurrency for "
             "faster users, more replicas for both", {"rows_mean": rows, "rows_max": top,

@@ -1,6 +1,6 @@
 """One request's TPOT split by cause, exactly: the stream's delivery (client and network) and
 the server's time between its first and last token, spread over the request's decode steps by
-the run's step-cost fit (`lifeline.bench.step_fit`):
+the run's step-cost fit of step periods (`lifeline.bench.step_fit`):
 
 - decode: the step as if the request were alone at no context (a + b);
 - batch: the other requests sharing the step (b per other row, and d × their context);
@@ -70,10 +70,10 @@ def _attribute(parts: dict[str, float], facts: dict[str, Any],
                cost: StepCost, server_ms: float) -> None:
     own = dict.fromkeys(("decode", "batch", "prefill_interference", "kv_context"), 0.0)
     recompute = 0.0
-    rows, contexts, with_prefill, others_prefill = [], [], 0, 0
+    rows, contexts, others_context, with_prefill, others_prefill = [], [], [], 0, 0
     for step, entry in steps:
         if entry.get("kind") != "decode":
-            recompute += step["duration_ms"]
+            recompute += index.period(step)
             continue
         shape = StepShape.of(step)
         ctx = int(entry.get("context") or 0)
@@ -84,6 +84,7 @@ def _attribute(parts: dict[str, float], facts: dict[str, Any],
         own["kv_context"] += cost.context_token_ms * ctx
         rows.append(shape.decode_rows)
         contexts.append(ctx)
+        others_context.append(shape.decode_context - ctx)
         with_prefill += shape.prefill_tokens > 0
         others_prefill += shape.prefill_tokens
     left_out, preempted = _left_out(steps, index)
@@ -99,6 +100,7 @@ def _attribute(parts: dict[str, float], facts: dict[str, Any],
     facts.update({"decode_steps": len(rows), "rows_mean": _mean(rows), "rows_max": max(rows,
                   default=None), "context_first": contexts[0] if contexts else None,
                   "context_last": contexts[-1] if contexts else None,
+                  "others_context": _mean(others_context),
                   "steps_with_prefill": with_prefill, "others_prefill_tokens": others_prefill,
                   "left_out_ms": left_out, "preempted_ms": preempted + recompute,
                   "explained": predicted / actual if actual > 0 else None})
@@ -116,9 +118,9 @@ def _left_out(steps: list[tuple[dict[str, Any], dict[str, Any]]], index: StepInd
         for step in index.between(a["step"], b["step"]):
             waiting = waiting or rid in (step.get("preempted") or ())
             if waiting:
-                preempted += step["duration_ms"]
+                preempted += index.period(step)
             else:
-                left_out += step["duration_ms"]
+                left_out += index.period(step)
         waiting = False
     return left_out, preempted
 

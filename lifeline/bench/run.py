@@ -16,6 +16,7 @@ from lifeline.bench.diagnose import diagnose
 from lifeline.bench.load import LoadPlan, RunResult, Sent, run_load
 from lifeline.bench.metrics import Slo, distribution, request_metrics, summarize
 from lifeline.bench.stages import breakdown, diagnosis, ttft_split
+from lifeline.bench.step_fit import fit_steps
 from lifeline.bench.step_index import fetch_steps
 from lifeline.bench.text_cost import reference, sample_texts, text_stats
 from lifeline.bench.workloads import (
@@ -238,5 +239,18 @@ def results(settings: BenchSettings, result: RunResult, slo: Slo | None,
            "settings": settings.public(), "summary": summary, "requests": records,
            "text_cost": text, "step_log": step_log, "diagnosis_notes": list(notes)}
     summary["diagnoses"] = diagnose(out)
+    out["step_log"] = log_summary(step_log)
     return out
+
+
+def log_summary(log: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the results keep of the step log (the log itself runs to megabytes): how many
+    steps, the engine's limits, what was lost, and the step-cost fit."""
+    if not log:
+        return None
+    records = log.get("data") or []
+    cost = fit_steps(records)
+    return {"steps": len(records), "first": records[0]["step"] if records else None,
+            "last": records[-1]["step"] if records else None, "config": log.get("config"),
+            "dropped": log.get("dropped", 0), "fit": cost.as_dict() if cost else None}
 

@@ -1,6 +1,12 @@
 """What an engine step costs: a non-negative least-squares fit of a run's step log,
-`duration = a + b·decode_rows + c·prefill_tokens + d·decode_context`, where `decode_context` is
+`period = a + b·decode_rows + c·prefill_tokens + d·decode_context`, where `decode_context` is
 the KV the step's decodes attend over (the sum of their contexts).
+
+The period is from a step's start to the next one's where the engine went straight on (the two
+steps share a request): what a running request waits for each token, its forward and sampling
+and the engine's bookkeeping around them (outputs, detokenizing, the server's streams competing
+for the interpreter), all of which grow with the batch. Steps the engine went idle after have
+no period and stay out of the fit.
 
 The fit is exact NNLS: with four terms every subset of them is solved by ordinary least squares
 and the best subset whose coefficients are all non-negative wins (that is the NNLS optimum).
@@ -10,7 +16,7 @@ and `confounded` names it."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,8 +52,8 @@ class StepShape:
 
 @dataclass(slots=True, frozen=True)
 class StepCost:
-    """Milliseconds per step (`base_ms`), per decode row, per prefill token and per context
-    token a decode attends over; all non-negative."""
+    """Milliseconds of a step's period (`base_ms`), per decode row, per prefill token and per
+    context token a decode attends over; all non-negative."""
 
     base_ms: float
     row_ms: float
@@ -72,10 +78,28 @@ class StepCost:
                 "confounded": list(self.confounded)}
 
 
+def periods(steps: Sequence[dict[str, Any]]) -> dict[int, float]:
+    """Step number → ms from its start to the next step's start, for steps the engine went
+    straight on from (the next step, numbered next, runs one of the same requests)."""
+    out = {}
+    ordered = sorted(steps, key=lambda s: s["step"])
+    for a, b in itertools.pairwise(ordered):
+        if b["step"] != a["step"] + 1 or not _shares_request(a, b):
+            continue
+        out[a["step"]] = (b["t"] - a["t"]) * 1e3
+    return out
+
+
+def _shares_request(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    ids = {r.get("id") for r in a.get("requests") or ()}
+    return any(r.get("id") in ids for r in b.get("requests") or ())
+
+
 def fit_steps(steps: Iterable[dict[str, Any]]) -> StepCost | None:
     """The step cost of these step records (StepRecord.as_dict()); None with too few."""
-    rows = [(StepShape.of(s).vector(), float(s["duration_ms"])) for s in steps
-            if s.get("duration_ms") is not None and s.get("requests")]
+    steps = list(steps)
+    period = periods(steps)
+    rows = [(StepShape.of(s).vector(), period[s["step"]]) for s in steps if s["step"] in period]
     if len(rows) < MIN_STEPS:
         return None
     x = np.array([r[0] for r in rows])

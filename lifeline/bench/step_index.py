@@ -9,7 +9,7 @@ from typing import Any
 
 import httpx
 
-from lifeline.bench.step_fit import StepCost, fit_steps
+from lifeline.bench.step_fit import StepCost, fit_steps, periods
 
 PAGE = 4096
 """The most records `/debug/steps` returns at once."""
@@ -28,6 +28,8 @@ class StepIndex:
     """Records of the run's window the server's ring had already let go."""
     numbers: list[int] = field(init=False)
     by_request: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = field(init=False)
+    periods: dict[int, float] = field(init=False)
+    """Step number → ms to the next step's start, where the engine went straight on."""
     cost: StepCost | None = field(init=False)
 
     def __post_init__(self) -> None:
@@ -38,6 +40,7 @@ class StepIndex:
             for entry in step.get("requests") or ():
                 for key in {entry.get("id"), entry.get("parent")} - {None}:
                     self.by_request.setdefault(key, []).append((step, entry))
+        self.periods = periods(self.steps)
         self.cost = fit_steps(self.steps)
 
     @classmethod
@@ -56,14 +59,14 @@ class StepIndex:
     def of_request(self, request_id: str | None) -> list[tuple[dict[str, Any], dict[str, Any]]]:
         return self.by_request.get(request_id, []) if request_id else []
 
+    def period(self, step: dict[str, Any]) -> float:
+        """The step's period, or its forward alone where the engine did not go straight on."""
+        return self.periods.get(step["step"], step["duration_ms"])
+
     def between(self, lo: int, hi: int) -> list[dict[str, Any]]:
         """Steps numbered strictly between `lo` and `hi`."""
         return self.steps[bisect.bisect_right(self.numbers, lo):bisect.bisect_left(self.numbers,
                                                                                      hi)]
-
-
-def end_ms(step: dict[str, Any]) -> float:
-    return step["t"] * 1e3 + step["duration_ms"]
 
 
 async def fetch_steps(http: httpx.AsyncClient, root: str, since_wall: float, until_wall: float,

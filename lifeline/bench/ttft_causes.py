@@ -92,14 +92,16 @@ def _chunks(view: RequestView, index: StepIndex | None) -> list[dict[str, Any]]:
         entries = entries[:first_token + 1]
         out = []
         previous = None
-        for step, entry in entries:
+        for i, (step, entry) in enumerate(entries):
             others = [e for e in step.get("requests") or () if e is not entry]
             skipped = index.between(previous, step["step"]) if previous is not None else []
-            out.append({"tokens": entry["tokens"], "duration_ms": step["duration_ms"],
+            last = i == len(entries) - 1
+            out.append({"tokens": entry["tokens"],
+                        "duration_ms": step["duration_ms"] if last else index.period(step),
                         "batch_tokens": sum(e["tokens"] for e in step["requests"]),
                         "other_chunk": max((e["tokens"] for e in others
                                             if e.get("kind") == "prefill"), default=0),
-                        "skipped_ms": sum(s["duration_ms"] for s in skipped)})
+                        "skipped_ms": sum(index.period(s) for s in skipped)})
             previous = step["step"]
         return out
     rows = ((view.backend_raw().get("steps") or {}).get("prefill")) or []
