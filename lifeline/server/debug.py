@@ -143,7 +143,8 @@ async def debug_diagnosis(request: Request, request_id: str) -> Any:
     steps = None
     if step_log is not None and step_log.enabled:
         steps = [r.as_dict() for r in step_log.between(finished.t0, finished.t1)]
-    return await off_loop(diagnose_request, finished.row["timings"], steps)
+    return await off_loop(lambda: diagnose_request(finished.row["timings"], steps,
+                                                  request_id=request_id))
 
 
 @router.get("/dashboard")
