@@ -74,9 +74,13 @@
 
   async function backfill() {
     const since = state.lastStep == null ? "" : `&since=${state.lastStep}`;
-    const steps = await api(`/debug/steps?limit=1000${since}`);
-    state.config = steps.config || state.config;
-    addSteps(listOf(steps));
+    try {
+      const steps = await api(`/debug/steps?limit=1000${since}`);
+      state.config = steps.config || state.config;
+      addSteps(listOf(steps));
+    } catch (error) {
+      if (error.code !== "step_log_disabled") throw error;
+    }
     upsertRows(listOf(await api("/debug/requests?limit=200")));
   }
 
