@@ -64,7 +64,8 @@ def _open(page, server, suffix: str = "") -> None:
 
 
 def _row(request_id: str) -> str:
-    return f'.row[data-request-id="{request_id}"]'
+    """The request's row once the page has it as finished (in flight it has another state)."""
+    return f'.row[data-request-id="{request_id}"][data-state="finished"]'
 
 
 def test_the_page_loads_live_without_console_errors(server, page):

@@ -12,7 +12,7 @@
   const state = {
     key: null, config: null, steps: [], stepIds: new Set(), lastStep: null,
     rows: new Map(), series: [], histograms: null, skew: 0, events: 0,
-    selected: null, hoverStep: null, pinnedStep: null, diagnoses: new Map(),
+    selected: null, detailSig: null, hoverStep: null, pinnedStep: null, diagnoses: new Map(),
   };
 
   // ---- small DOM helpers -------------------------------------------------------------------
@@ -458,6 +458,10 @@
   function renderDetail() {
     const node = $("#detail");
     const row = state.selected && state.rows.get(state.selected);
+    const entry = row && state.diagnoses.get(row.id);
+    const sig = row ? [row.id, row.state, inFlight(row) ? serverNow() : "", entry?.data ? "d" : entry?.error ? "e" : "", node.clientWidth].join("|") : "";
+    if (sig === state.detailSig) return;
+    state.detailSig = sig;
     if (!row) {
       node.replaceChildren(el("h2", { text: "Request" }), el("p", { class: "empty", text: "Click a request to see its stages and its diagnosis." }));
       return;
@@ -477,7 +481,7 @@
 
   function detailWaterfall(row) {
     const segs = segments(row, serverNow());
-    const width = $("#detail").clientWidth - 32 || 500, labelW = 78, msW = 62, laneH = 17;
+    const width = Math.max(($("#detail").clientWidth || 532) - 32, 300), labelW = 78, msW = 62, laneH = 17;
     const scale = Math.max(rowEnd(segs), 1e-3), span = width - labelW - msW;
     const sx = (ms) => labelW + (ms / scale) * span;
     const parts = [];
