@@ -18,7 +18,7 @@ MODEL = "gemma-3-270m"
 APPEARS_WITHIN_MS = 2000
 """The issue's bound: a request is on the page this soon after its answer (events every 500 ms)."""
 SHOW_MS = 30000
-"""How long the page may take to show what it fetched on click (the diagnosis), on a busy machine."""
+"""How long the page may take to show what it fetches on a click (the diagnosis), machine busy."""
 ADMIN_KEY = "admin-dashboard-test"
 
 playwright_api = pytest.importorskip("playwright.sync_api")
