@@ -318,7 +318,9 @@ def test_with_api_keys_only_the_admin_key_opens_the_debug_paths(loaded):
     with ServerThread(loaded, config) as srv:
         base = srv.base_url
         tenant, boss = ({"Authorization": f"Bearer {k}"} for k in ("tenant", "boss"))
-        for path in ("/debug/steps", "/debug/requests", "/dashboard/events", "/dashboard"):
+        for page in ("/dashboard", "/dashboard/static/dashboard.js"):
+            assert httpx.get(base + page, timeout=30).status_code == 200, "code, no data: open"
+        for path in ("/debug/steps", "/debug/requests", "/dashboard/events"):
             for headers in ({}, tenant, {"Authorization": "Bearer wrong"}):
                 response = httpx.get(base + path, headers=headers, timeout=30)
                 assert response.status_code == 403, (path, headers)
