@@ -66,7 +66,7 @@ class GatewayMiddleware:
 
     def _log(self, scope: Scope, stamps: ServerStamps, status: int) -> None:
         path = scope["path"]
-        if (path in QUIET_PATHS or is_admin_path(path)) and status < 400:
+        if (path in QUIET_PATHS or path.startswith(("/debug/", "/dashboard"))) and status < 400:
             return
         stamps.last_byte = time.perf_counter()
         self.state.log_plain(stamps, scope["path"], status)
