@@ -248,7 +248,8 @@ def fake_engine(queries: int, hits: int, preemptions: int, running=2, waiting=3,
     """What `EngineStats.of` reads of an engine, as the stats it makes."""
     scheduler = SimpleNamespace(running=[object()] * running, waiting=[object()] * waiting,
                                 num_preemptions=preemptions)
-    blocks = SimpleNamespace(usage=usage, stats=SimpleNamespace(queries=queries, hits=hits))
+    blocks = SimpleNamespace(usage=usage, stats=SimpleNamespace(queries=queries, hits=hits),
+                             num_blocks=100, num_free_blocks=round(100 * (1 - usage)))
     return EngineStats.of(SimpleNamespace(scheduler=scheduler, block_manager=blocks))
 
 

@@ -320,12 +320,15 @@ def test_with_api_keys_only_the_admin_key_opens_the_debug_paths(loaded):
         tenant, boss = ({"Authorization": f"Bearer {k}"} for k in ("tenant", "boss"))
         for page in ("/dashboard", "/dashboard/static/dashboard.js"):
             assert httpx.get(base + page, timeout=30).status_code == 200, "code, no data: open"
-        for path in ("/debug/steps", "/debug/requests", "/dashboard/events"):
+        for path in ("/debug/steps", "/debug/requests", "/dashboard/events",
+                     "/debug/requests/x/diagnosis"):
             for headers in ({}, tenant, {"Authorization": "Bearer wrong"}):
                 response = httpx.get(base + path, headers=headers, timeout=30)
                 assert response.status_code == 403, (path, headers)
                 assert response.json()["error"]["code"] == "admin_key_required"
         assert httpx.get(base + "/debug/steps", headers=boss, timeout=30).status_code == 200
+        page = httpx.get(base + "/dashboard", timeout=30)  # the page holds no data
+        assert page.status_code == (200 if (DASHBOARD_DIR / "index.html").is_file() else 404)
         query = httpx.get(base + "/debug/requests", params={"admin_key": "boss"}, timeout=30)
         assert query.status_code == 200
         with httpx.stream("GET", base + "/dashboard/events", params={"admin_key": "boss"},
@@ -356,3 +359,15 @@ def test_an_admin_key_alone_protects_the_debug_paths_and_a_log_off_says_so(loade
         done = httpx.post(base + "/v1/completions", timeout=60, json={
             "model": "tiny", "prompt": _prompt(5), "max_tokens": 2}).json()
         assert done["timings"]["steps"]["prefill"][0][1] == 5
+
+
+def test_the_command_line_sets_the_admin_key_and_the_step_log_size():
+    from lifeline.cli import build_parser, serve_config
+
+    config = serve_config(build_parser().parse_args(
+        ["serve", "--admin-key", "boss", "--step-log-size", "0", "--api-key", "t"]))
+    assert config.admin_key == "boss" and config.engine.step_log_size == 0
+    default = serve_config(build_parser().parse_args(["serve"]))
+    assert default.admin_key is None and default.engine.step_log_size == 4096
+    with pytest.raises(ValueError):
+        EngineConfig(step_log_size=-1)

@@ -143,12 +143,14 @@ async def debug_diagnosis(request: Request, request_id: str) -> Any:
     steps = None
     if step_log is not None and step_log.enabled:
         steps = [r.as_dict() for r in step_log.between(finished.t0, finished.t1)]
-    return await off_loop(lambda: diagnose_request(finished.row["timings"], steps,
-                                                  request_id=request_id))
+    diagnosis = await off_loop(lambda: diagnose_request(finished.row["timings"], steps,
+                                                       request_id=request_id))
+    return {"id": request_id, **diagnosis} if isinstance(diagnosis, dict) else diagnosis
 
 
 @router.get("/dashboard")
 async def dashboard() -> Response:
+    """The page (open to all: it holds no data; it sends the admin key with its requests)."""
     page = DASHBOARD_DIR / "index.html"
     if not page.is_file():
         raise APIError(404, "this build has no dashboard page", None, "dashboard_not_installed")

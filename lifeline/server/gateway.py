@@ -14,17 +14,16 @@ ADMIN_QUERY_KEY = "admin_key"
 """Where a browser's `EventSource` (which cannot send headers) puts the admin key."""
 
 
-def is_dashboard_page(path: str) -> bool:
-    """The dashboard's page and its scripts: code, no data. Open, since a browser sends no key
-    when it opens a page; the page then sends the admin key itself for the data."""
-    return path == "/dashboard" or path.startswith("/dashboard/static/")
-
-
 def is_admin_path(path: str) -> bool:
-    """The debug endpoints and the dashboard's data: what the server holds about every tenant."""
-    if is_dashboard_page(path):
-        return False
-    return path.startswith("/debug/") or path.startswith("/dashboard/")
+    """The debug endpoints and the dashboard's stream: what the server holds about every
+    tenant."""
+    return not is_dashboard_file(path) and path.startswith(("/debug/", "/dashboard/"))
+
+
+def is_dashboard_file(path: str) -> bool:
+    """The dashboard's page and files: code, no data. A browser fetches them without a key
+    and the page sends the admin key with its own requests."""
+    return path == "/dashboard" or path.startswith("/dashboard/static/")
 
 
 def bearer_key(authorization: str | None) -> str | None:
@@ -53,7 +52,7 @@ class Authenticator:
         an admin path). `query_key`: the admin key sent in the query string."""
         if is_admin_path(path):
             return self._check_admin(bearer_key(authorization) or query_key)
-        if not self.keys or path in self.open_paths or is_dashboard_page(path):
+        if not self.keys or path in self.open_paths or is_dashboard_file(path):
             return "anonymous"
         given = (bearer_key(authorization) or "").encode()
         matched = False

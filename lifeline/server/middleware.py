@@ -10,7 +10,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lifeline.observe import ServerStamps
 from lifeline.server.errors import APIError
-from lifeline.server.gateway import ADMIN_QUERY_KEY, is_admin_path, is_dashboard_page
+from lifeline.server.gateway import ADMIN_QUERY_KEY, is_admin_path
 from lifeline.server.state import ServerState
 
 QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})
@@ -66,7 +66,7 @@ class GatewayMiddleware:
 
     def _log(self, scope: Scope, stamps: ServerStamps, status: int) -> None:
         path = scope["path"]
-        if (path in QUIET_PATHS or is_admin_path(path) or is_dashboard_page(path)) and status < 400:
+        if (path in QUIET_PATHS or path.startswith(("/debug/", "/dashboard"))) and status < 400:
             return
         stamps.last_byte = time.perf_counter()
         self.state.log_plain(stamps, scope["path"], status)

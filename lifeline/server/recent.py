@@ -99,10 +99,11 @@ def in_flight(generations: Iterable[Generation], step_log: StepLog | None, model
         firsts = [c.token_times[0] for c in choices if c.token_times]
         state = "decode" if completion else "prefill" if progress else "queued"
         prompts = {id(c.prompt_ids): len(c.prompt_ids) for c in choices}
+        counts = {"prompt_tokens": sum(prompts.values()), "completion_tokens": completion,
+                  "ttft_ms": (min(firsts) - gen.arrival) * 1e3 if firsts else None}
         rows.append({
             "id": choices[0].parent if choices else None, "model": model, "state": state,
-            "arrival": wall - (now - gen.arrival), "elapsed_ms": (now - gen.arrival) * 1e3,
-            "prompt_tokens": sum(prompts.values()), "computed_tokens": sum(progress.values()),
-            "completion_tokens": completion,
-            "ttft_ms": (min(firsts) - gen.arrival) * 1e3 if firsts else None})
+            "status": None, "arrival": wall - (now - gen.arrival),
+            "elapsed_ms": (now - gen.arrival) * 1e3, "computed_tokens": sum(progress.values()),
+            **counts, "timings": counts})
     return rows
