@@ -66,12 +66,33 @@ def diagnose_request(timings: dict[str, Any], steps: Any = None, *,
     or `/debug/requests` carries them; `request_id` joins it to the step log). Its TTFT starts
     at the server's arrival and its TPOT runs to the last byte, so the stream's delivery is
     its `client_network`."""
-    view = RequestView.of_timings(timings, request_id or timings.get("id"))
-    ctx = Context(text=text, index=StepIndex.of(steps), client_lag_ms=None, plan=False)
+    index = StepIndex.of(steps)
+    request_id = request_id or timings.get("id") or _id_in_steps(timings, index)
+    view = RequestView.of_timings(timings, request_id)
+    ctx = Context(text=text, index=index, client_lag_ms=None, plan=False)
     out = _sections([view], ctx, {})
     out["missing"] = missing([view], ctx, ["no client clock: the network before the server's "
                                            "arrival is not seen"])
     return out
+
+
+def _id_in_steps(timings: dict[str, Any], index: StepIndex | None) -> str | None:
+    """The request's id found from its own prefill rows (step number and tokens): the step
+    log names every request by id, the timings do not carry it."""
+    rows = ((timings.get("steps") or {}).get("prefill")) or []
+    if index is None or not rows:
+        return None
+    by_number = dict(zip(index.numbers, index.steps))
+    for row in rows:
+        step = by_number.get(row[0])
+        if step is None:
+            continue
+        ids = [e.get("id") for e in step.get("requests") or ()
+               if e.get("kind") == "prefill" and e.get("tokens") == row[1]
+               and e.get("context") == row[2]]
+        if len(ids) == 1:
+            return ids[0]
+    return None
 
 
 def _sections(views: Sequence[RequestView], ctx: Context, summary: dict[str, Any]

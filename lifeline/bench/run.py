@@ -133,12 +133,14 @@ async def build_workload(settings: BenchSettings, client: BenchClient) -> list:
 
 
 async def run_bench(settings: BenchSettings,
-                    on_done: Callable[[Sent], None] | None = None) -> dict[str, Any]:
-    """Run the benchmark `settings` describe and return its results."""
+                    on_done: Callable[[Sent], None] | None = None,
+                    client_type: type[BenchClient] = BenchClient) -> dict[str, Any]:
+    """Run the benchmark `settings` describe and return its results. `client_type`: a
+    `BenchClient` that sends or reads differently (a test's slow reader)."""
     slo = Slo.parse(settings.slo, settings.slo_attainment) if settings.slo else None
     plan = settings.plan()
     connections = max(plan.concurrency or 1024, 16)  # never the client's bottleneck
-    async with BenchClient(settings.url, settings.model or "", endpoint=settings.endpoint,
+    async with client_type(settings.url, settings.model or "", endpoint=settings.endpoint,
                            api_key=settings.api_key, max_connections=connections,
                            timeout_s=settings.timeout_s, pin_output=settings.pin_output,
                            extra_body=logprobs_body(settings)) as c:

@@ -6,7 +6,8 @@ The period is from a step's start to the next one's where the engine went straig
 steps share a request): what a running request waits for each token, its forward and sampling
 and the engine's bookkeeping around them (outputs, detokenizing, the server's streams competing
 for the interpreter), all of which grow with the batch. Steps the engine went idle after have
-no period and stay out of the fit.
+no period and stay out of the fit, as do outliers (periods that held a pause of the whole
+process), trimmed in up to three rounds.
 
 The fit is exact NNLS: with four terms every subset of them is solved by ordinary least squares
 and the best subset whose coefficients are all non-negative wins (that is the NNLS optimum).
@@ -25,6 +26,8 @@ import numpy as np
 TERMS = ("base", "decode_rows", "prefill_tokens", "decode_context")
 MIN_STEPS = 8
 """Fewer steps than this fit nothing."""
+TRIM_ROUNDS = 3
+OUTLIER_SCALES = 4.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -104,14 +107,35 @@ def fit_steps(steps: Iterable[dict[str, Any]]) -> StepCost | None:
         return None
     x = np.array([r[0] for r in rows])
     y = np.array([r[1] for r in rows])
-    coef, _ = nnls_subsets(x, y)
+    keep = np.ones(len(y), dtype=bool)
+    for _ in range(TRIM_ROUNDS):
+        coef, _ = nnls_subsets(x[keep], y[keep])
+        outliers = _outliers(y - x @ coef, float(np.median(np.abs(y))))
+        if (outliers == ~keep).all():
+            break
+        keep = ~outliers
+        if keep.sum() < MIN_STEPS:
+            return None
+    x, y = x[keep], y[keep]
     residual = y - x @ coef
     spread = float(((y - y.mean()) ** 2).sum())
     r2 = 1 - float((residual ** 2).sum()) / spread if spread > 0 else None
     varied = _independent_terms(x)
     confounded = tuple(TERMS[j] for j in range(1, len(TERMS))
                        if j not in varied and x[:, j].any())
-    return StepCost(*(float(c) for c in coef), steps=len(rows), r2=r2, confounded=confounded)
+    return StepCost(*(float(c) for c in coef), steps=int(keep.sum()), r2=r2,
+                    confounded=confounded)
+
+
+def _outliers(residual: np.ndarray, typical: float) -> np.ndarray:
+    """Steps far above or below the fit: more than `OUTLIER_SCALES` robust standard deviations
+    (1.4826 × the median absolute deviation) from the median residual. A period that held a
+    pause of the whole process (the interpreter busy elsewhere, a collection) says nothing of
+    the step's shape and would pull a least-squares fit anywhere. A deviation within a hundredth
+    of a `typical` period never counts (an exact fit has no outliers)."""
+    centre = np.median(residual)
+    scale = max(1.4826 * float(np.median(np.abs(residual - centre))), 0.01 * typical)
+    return np.abs(residual - centre) > OUTLIER_SCALES * scale
 
 
 def nnls_subsets(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:

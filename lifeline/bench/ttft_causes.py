@@ -37,22 +37,22 @@ def split_ttft(view: RequestView, index: StepIndex | None,
     queue, prefill = s.get("queue_ms") or 0.0, s.get("prefill_ms") or 0.0
     parts = {"client_network": view.ttft_ms - server if view.client else 0.0,
              "front": server - queue - prefill, "queue": queue}
-    own, others, chunk_facts = _own_and_others(view, index, prefill)
+    own, others, by_tokens, chunk_facts = _own_and_others(view, index, prefill)
     facts = {"ttft_ms": view.ttft_ms, "server_ttft_ms": server, **chunk_facts,
              **_front_facts(view), **_queue_facts(view)}
     facts["connect_ms"] = view.connect_ms
     parts["prefill_interference"] = others
     ratio = (text or {}).get("ratio")
     excess = 1 - 1 / ratio if ratio and ratio >= RAISE_AT else 0.0
-    parts["tokenizer"] = own * excess
-    rest = own - parts["tokenizer"]
+    parts["tokenizer"] = by_tokens * excess
+    rest = by_tokens - parts["tokenizer"]
     computed = _computed_parts(view)
     facts["computed_parts"] = computed
     facts["own_prefill_ms"] = own
     assembly = sum(computed.get(p, 0) for p in ASSEMBLY_PARTS) if computed else 0
     total = sum(computed.values()) if computed else 0
     parts["prompt_assembly"] = rest * assembly / total if total else 0.0
-    parts["prefill"] = rest - parts["prompt_assembly"]
+    parts["prefill"] = own - parts["tokenizer"] - parts["prompt_assembly"]
     return TtftSplit({c: parts[c] for c in TTFT_CAUSES}, facts)
 
 
@@ -68,16 +68,16 @@ def _own_and_others(view: RequestView, index: StepIndex | None, prefill_ms: floa
     facts["prompt_tokens"] = raw.get("prompt_tokens")
     facts["cached_tokens"] = (view.stages or {}).get("cached_tokens")
     if not chunks:
-        return prefill_ms, 0.0, facts
+        return prefill_ms, 0.0, prefill_ms, facts
     own = sum(c["duration_ms"] * c["tokens"] / max(c["batch_tokens"], 1) for c in chunks)
     steps = sum(c["duration_ms"] for c in chunks) + sum(c.get("skipped_ms", 0.0) for c in chunks)
     facts["computed_tokens"] = sum(c["tokens"] for c in chunks)
     facts["largest_other_chunk"] = max((c.get("other_chunk") or 0 for c in chunks), default=0)
     facts["others_tokens"] = sum(c["batch_tokens"] - c["tokens"] for c in chunks)
     if steps <= 0:
-        return prefill_ms, 0.0, facts
+        return prefill_ms, 0.0, prefill_ms, facts
     own_ms = own * prefill_ms / steps
-    return own_ms, prefill_ms - own_ms, facts
+    return own_ms, prefill_ms - own_ms, min(own, own_ms), facts
 
 
 def _chunks(view: RequestView, index: StepIndex | None) -> list[dict[str, Any]]:
