@@ -29,7 +29,8 @@ install: $(VENV)/.installed $(VENV)/.smollm2
 # pools, threads) for their duration, so they get a process of their own (with the weight-format
 # study, to even the halves); each half keeps about one core busy. The tests marked `alone`
 # bound /health latency and run last, with the machine to themselves.
-SERVER_TESTS := $(sort $(wildcard tests/test_server*.py)) tests/test_hostile_inputs.py
+SERVER_TESTS := $(sort $(wildcard tests/test_server*.py)) tests/test_hostile_inputs.py \
+	tests/test_dashboard_browser.py
 SECOND_HALF := $(SERVER_TESTS) tests/test_weight_format.py
 PYTEST := $(PY) -m pytest -q --durations=15
 

@@ -129,6 +129,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="accepted bearer key (repeat for several; default: no auth)")
     p.add_argument("--protect-metrics", action="store_true",
                    help="require a key for /metrics too")
+    p.add_argument("--admin-key", default=None,
+                   help="the key of /debug/* and /dashboard (with API keys and no admin key, "
+                        "they answer 403; docs/serve.md)")
     p.add_argument("--rate-limit-rpm", type=int, default=None, help="requests per minute per key")
     p.add_argument("--rate-limit-tpm", type=int, default=None, help="tokens per minute per key")
     p.add_argument("--max-queued-requests", type=int, default=None,
@@ -160,6 +163,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--step-log-size", type=int, default=4096,
+                   help="engine steps kept for /debug/steps and the dashboard (0: none)")
     p.add_argument("--weights", choices=WEIGHT_FORMATS, default=DEFAULT_WEIGHTS,
                    help="weight format (default int8-all: the fastest within 2%% of float32's "
                         "perplexity; docs/performance.md)")
@@ -344,7 +349,7 @@ def ray_gateway_config(args: argparse.Namespace) -> Any:
     options = {k: getattr(server, k) for k in (
         "chat_template", "allow_request_chat_template", "reasoning_parser", "tool_call_parser",
         "max_queued_requests", "request_timeout", "default_max_tokens",
-        "salt_cache_by_api_key", "enable_fault_injection")}
+        "salt_cache_by_api_key", "enable_fault_injection", "admin_key")}
     backend = BackendSpec(
         name="ray", kind="ray", model=args.model, served_model_name=name,
         engine=server.engine, server_options=options,
@@ -368,7 +373,8 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
                           max_model_len=args.max_model_len,
                           enable_prefix_caching=not args.no_prefix_caching,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                          weights=args.weights, compile=args.compile)
+                          weights=args.weights, compile=args.compile,
+                          step_log_size=args.step_log_size)
     name = args.served_model_name
     if name is None and args.model:
         path = Path(args.model)
@@ -378,7 +384,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         chat_template=args.chat_template,
         allow_request_chat_template=args.allow_request_chat_template,
         reasoning_parser=args.reasoning_parser, tool_call_parser=args.tool_call_parser,
-        api_keys=args.api_key, protect_metrics=args.protect_metrics,
+        api_keys=args.api_key, admin_key=args.admin_key, protect_metrics=args.protect_metrics,
         rate_limit_rpm=args.rate_limit_rpm, rate_limit_tpm=args.rate_limit_tpm,
         max_queued_requests=args.max_queued_requests, shutdown_timeout=args.shutdown_timeout,
         otlp_endpoint=args.otlp_endpoint, request_timeout=args.request_timeout or None,

@@ -1,5 +1,6 @@
-"""`--html`: a self-contained page whose figures are well-formed SVG — the load charts with the
-SLO knee for a sweep, the stacked TTFT breakdown and the waterfall."""
+"""`--html`: a self-contained page whose figures are well-formed SVG — the diagnosis's share
+bars, the load charts with the SLO knee for a sweep, the stacked TTFT breakdown and the
+waterfall."""
 import re
 import xml.etree.ElementTree as ET
 from datetime import UTC, datetime
@@ -36,11 +37,16 @@ def _results():
 def test_the_report_holds_well_formed_figures_and_marks_the_slo_knee():
     page = render(_results())
     svgs = re.findall(r"<svg.*?</svg>", page, re.DOTALL)
-    assert len(svgs) == 4  # latency and throughput against load, TTFT stages, waterfall
+    # the diagnosis's TTFT and TPOT bars; latency and throughput against load, TTFT stages,
+    # waterfall
+    assert len(svgs) == 6
     for svg in svgs:
         ET.fromstring(svg)
     assert page.count("SLO knee 4") == 2  # the largest concurrency that met the SLO
     assert "queue: 20.0 ms" in page and "TTFT is mostly queue" in page
+    diagnosis = page[page.index("<h2>Diagnosis</h2>"):]
+    first_row = re.search(r"<tr><td>(\d+)%</td><td>(\w+)</td>", diagnosis)
+    assert first_row.group(2) == "queue" and int(first_row.group(1)) == round(20 / 30 * 100)
     assert "<script" not in page and "http://" not in page.replace("http://x/v1", "") \
         .replace("http://www.w3.org/2000/svg", "")
 
@@ -48,4 +54,4 @@ def test_the_report_holds_well_formed_figures_and_marks_the_slo_knee():
 def test_a_plain_run_has_no_load_charts():
     run = _results()
     del run["sweep"]
-    assert len(re.findall(r"<svg", render(run))) == 2
+    assert len(re.findall(r"<svg", render(run))) == 4

@@ -28,7 +28,8 @@ from lifeline.observe import (
 KEYS = {"gateway_ms", "template_ms", "tokenize_ms", "queue_ms", "prefill_ms", "prefill_chunks",
         "ttft_ms", "ttfat_ms", "decode_ms", "tbt_p50_ms", "tbt_p90_ms", "tbt_max_ms",
         "detokenize_ms", "stream_ms", "e2e_ms", "prompt_tokens", "cached_tokens",
-        "completion_tokens", "prefill_tok_s", "decode_tok_s", "preemptions", "prompt_anatomy"}
+        "completion_tokens", "prefill_tok_s", "decode_tok_s", "preemptions", "prompt_anatomy",
+        "reasoning_tokens", "steps", "queue", "kv_bytes_read_per_token", "recomputed_tokens"}
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "serve.md"
 TOKENS = [100.050, 100.060, 100.072, 100.081, 100.095]
 
@@ -247,7 +248,8 @@ def fake_engine(queries: int, hits: int, preemptions: int, running=2, waiting=3,
     """What `EngineStats.of` reads of an engine, as the stats it makes."""
     scheduler = SimpleNamespace(running=[object()] * running, waiting=[object()] * waiting,
                                 num_preemptions=preemptions)
-    blocks = SimpleNamespace(usage=usage, stats=SimpleNamespace(queries=queries, hits=hits))
+    blocks = SimpleNamespace(usage=usage, stats=SimpleNamespace(queries=queries, hits=hits),
+                             num_blocks=100, num_free_blocks=round(100 * (1 - usage)))
     return EngineStats.of(SimpleNamespace(scheduler=scheduler, block_manager=blocks))
 
 

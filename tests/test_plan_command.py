@@ -92,7 +92,8 @@ def test_a_sweep_and_the_html_report(tmp_path):
     speeds = [t["output_throughput_tok_s"] for t in rows]
     assert speeds == sorted(speeds)
     page = html.read_text()
-    assert page.count("<svg") == 4 and "queue" in page and "decode" in page
+    assert page.count("<svg") == 6 and "queue" in page and "decode" in page  # 2: diagnosis
+    assert "<h2>Diagnosis</h2>" in page and "a plan:" in page
 
 
 @pytest.mark.parametrize("args, message", [

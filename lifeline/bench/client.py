@@ -82,7 +82,8 @@ class BenchClient:
         trace = RequestTrace(sent=time.perf_counter(), expected_prompt_tokens=req.prompt_tokens)
         try:
             async with self.http.stream("POST", self.base_url + ENDPOINTS[self.endpoint],
-                                        json=body) as response:
+                                        json=body,
+                                        extensions={"trace": _connect_timer(trace)}) as response:
                 if response.status_code != 200:
                     await response.aread()
                     return _failed(trace, f"http_{response.status_code}", response.text)
@@ -116,8 +117,25 @@ class BenchClient:
         trace.done = time.perf_counter()  # a server that ends the stream without [DONE]
 
 
+def _connect_timer(trace: RequestTrace):
+    """An httpx `trace` hook that adds the time spent opening a connection (TCP, then TLS) to
+    `trace.connect_ms`; a kept-alive connection opens none."""
+    opened: list[float] = []
+
+    async def hook(event: str, info: dict[str, Any]) -> None:
+        if event in ("connection.connect_tcp.started", "connection.start_tls.started"):
+            opened.append(time.perf_counter())
+        elif event in ("connection.connect_tcp.complete", "connection.start_tls.complete") \
+                and opened:
+            trace.connect_ms += (time.perf_counter() - opened.pop()) * 1e3
+
+    return hook
+
+
 def absorb(event: dict[str, Any], at: float, trace: RequestTrace) -> None:
     """Fold one parsed SSE event (completions or chat) received at `at` into the trace."""
+    if trace.response_id is None and isinstance(event.get("id"), str):
+        trace.response_id = event["id"]
     for choice in event.get("choices") or []:
         kind, tokens = _output_of(choice)
         if tokens:
@@ -132,6 +150,9 @@ def absorb(event: dict[str, Any], at: float, trace: RequestTrace) -> None:
     timings = normalize(event)
     if timings is not None:
         trace.server_timings = timings
+        raw = event.get("timings") if isinstance(event.get("timings"), dict) else \
+            event.get("metrics")
+        trace.timings_raw = raw
 
 
 def _output_of(choice: dict[str, Any]) -> tuple[str, int]:

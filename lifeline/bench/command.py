@@ -22,6 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=None, help="model id (default: the first of /v1/models)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--api-key", default=None)
+    p.add_argument("--admin-key", default=None,
+                   help="read the server's step log (/debug/steps) with this key, for the "
+                        "diagnosis, when its API keys guard it")
     _load_args(p.add_argument_group("load"))
     _workload_args(p.add_argument_group("workload"))
     _capacity_args(p.add_argument_group("capacity"))
@@ -136,7 +139,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         dataset=args.dataset, tokenizer=args.tokenizer, pin_output=not args.no_pin_output,
         exact_tokens=args.exact_tokens, long_context=args.long_context,
         slo=args.slo, slo_attainment=parse_fraction(args.slo_attainment), seed=args.seed,
-        timeout_s=args.timeout, api_key=args.api_key)
+        timeout_s=args.timeout, api_key=args.api_key, admin_key=args.admin_key)
     settings.plan()
     return settings
 
@@ -187,7 +190,9 @@ def _finish(args: argparse.Namespace, results: dict[str, Any], console: Console)
 def cmd_compare(action: list[str]) -> int:
     from rich.console import Console
 
-    from lifeline.bench.compare import compare_table, load
+    from rich.markup import escape
+
+    from lifeline.bench.compare import attribute, attribution_table, compare_table, load
 
     if action[0] != "compare" or len(action) < 2:
         print("lifeline bench: the only action is `compare A.json B.json ...`", file=sys.stderr)
@@ -197,5 +202,13 @@ def cmd_compare(action: list[str]) -> int:
     except (OSError, ValueError) as exc:
         print(f"lifeline bench compare: {exc}", file=sys.stderr)
         return 2
-    Console().print(compare_table(runs))
+    console = Console()
+    console.print(compare_table(runs))
+    for run in runs[1:]:
+        att = attribute(runs[0], run)
+        console.print(attribution_table(att))
+        for section in ("ttft", "output"):
+            if att.get(section):
+                finding = att[section]["finding"]
+                console.print(f"[bold]{escape(finding['title'])}[/]\n{escape(finding['evidence'])}")
     return 0

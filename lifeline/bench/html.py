@@ -1,6 +1,7 @@
 """`--html`: one self-contained page (inline SVG, no scripts, no network) with the summary,
-latency and throughput against load (for a search or sweep, the SLO knee marked), a stacked
-TTFT breakdown and a waterfall of sample requests."""
+the diagnosis (each section's causes, ranked), latency and throughput against load (for a
+search or sweep, the SLO knee marked), a stacked TTFT breakdown and a waterfall of sample
+requests."""
 from __future__ import annotations
 
 import html
@@ -155,6 +156,54 @@ def summary_rows(summary: dict[str, Any]) -> str:
             f"<th>p99</th><th>n</th></tr>{''.join(rows)}</table>")
 
 
+CAUSE_COLOURS = {"client_network": "#8c8c8c", "front": "#9467bd", "queue": "#d62728",
+                 "prompt_assembly": "#e377c2", "tokenizer": "#bcbd22", "prefill": "#1f77b4",
+                 "prefill_interference": "#17becf", "reasoning": "#ff7f0e", "decode": "#2ca02c",
+                 "batch": "#8c564b", "kv_context": "#7f7f7f", "engine_vs_model": "#000000"}
+SECTION_NAMES = (("ttft", "Why TTFT"), ("answer", "Why TTFAT (the first answer token)"),
+                 ("output", "Why TPOT"))
+
+
+def diagnosis_section(diagnoses: dict[str, Any] | None) -> str:
+    """The causes of each section as one stacked bar (their shares) and a table: share, cause,
+    the finding, its evidence and fix; then what could not be diagnosed."""
+    if not diagnoses:
+        return ""
+    out = ["<section><h2>Diagnosis</h2>"]
+    for key, name in SECTION_NAMES:
+        findings = (diagnoses.get(key) or {}).get("findings") or []
+        if not findings:
+            continue
+        out.append(f"<h3>{html.escape(name)}</h3>{_share_bar(findings)}"
+                   "<table class='diag'><tr><th>share</th><th>cause</th><th>finding</th></tr>")
+        for f in findings:
+            out.append(f"<tr><td>{f['share']:.0%}</td><td>{html.escape(f['cause'])}</td>"
+                       f"<td style='text-align:left'><b>{html.escape(f['title'])}</b><br>"
+                       f"{html.escape(f.get('evidence') or '')}<br><i>fix:</i> "
+                       f"{html.escape(f.get('fix') or '')}</td></tr>")
+        out.append("</table>")
+    missing = diagnoses.get("missing") or []
+    if missing:
+        out.append("<h3>Not diagnosed</h3><ul>"
+                   + "".join(f"<li>{html.escape(m)}</li>" for m in missing) + "</ul>")
+    return "".join(out) + "</section>"
+
+
+def _share_bar(findings: list[dict[str, Any]]) -> str:
+    width, x, parts = W - 20, 10.0, []
+    for f in findings:
+        w = max(f["share"], 0.0) * width
+        colour = CAUSE_COLOURS.get(f["cause"], "#cccccc")
+        parts.append(f'<rect x="{x:.1f}" y="4" width="{w:.1f}" height="20" fill="{colour}">'
+                     f'<title>{html.escape(f["cause"])}: {f["share"]:.0%}</title></rect>')
+        if w > 60:
+            parts.append(f'<text x="{x + 4:.1f}" y="18" fill="#fff">'
+                         f'{html.escape(f["cause"])} {f["share"]:.0%}</text>')
+        x += w
+    return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{W}" height="28" font-size="11" '
+            f'font-family="sans-serif">{"".join(parts)}</svg>')
+
+
 def render(results: dict[str, Any]) -> str:
     s, settings = results["summary"], results["settings"]
     facts = [f"{s['successful']} ok, {s['failed']} failed in {s['duration_s']:.2f} s",
@@ -167,6 +216,8 @@ def render(results: dict[str, Any]) -> str:
     title = html.escape(f"lifeline bench · {settings.get('model')} · {settings.get('url')}")
     return ("<!doctype html><html><head><meta charset='utf-8'>"
             f"<title>{title}</title><style>body{{font-family:sans-serif;margin:2em}}"
-            "td,th{padding:2px 8px;text-align:right}figure{margin:1em 0}</style></head><body>"
+            "td,th{padding:2px 8px;text-align:right}figure{margin:1em 0}"
+            "table.diag td{vertical-align:top;border-top:1px solid #ddd}</style></head><body>"
             f"<h1>{title}</h1><p>{'<br>'.join(html.escape(f) for f in facts)}</p>"
-            f"{summary_rows(s)}{''.join(f for f in figures if f)}</body></html>")
+            f"{summary_rows(s)}{diagnosis_section(s.get('diagnoses'))}"
+            f"{''.join(f for f in figures if f)}</body></html>")

@@ -50,7 +50,14 @@ class RequestTrace:
     expected_prompt_tokens: int | None = None
     """The prompt's length as the workload counted it: the fallback without usage."""
     server_timings: dict[str, float | None] | None = None
-    """Stage timings the server reported, normalised by `lifeline.bench.timings`."""
+    """Stage timings the server reported, normalised by `lifeline.bench.stages.normalize`."""
+    timings_raw: dict[str, Any] | None = None
+    """The same as the server sent them (Lifeline's `timings`, vLLM's `metrics`): the
+    diagnosis reads what only some servers give (prompt anatomy, step rows, the queue)."""
+    response_id: str | None = None
+    """The response's `id`: what the server's step log and records call the request."""
+    connect_ms: float = 0.0
+    """Time spent opening a connection for this request (0 on a kept-alive one)."""
     error: str | None = None
     """The kind of failure (`http_503`, `timeout`, `connect`, `stream_error`, ...); None if ok."""
     error_message: str | None = None

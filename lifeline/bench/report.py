@@ -1,10 +1,11 @@
 """What a person reads: a live progress bar while the run goes, then a summary table, the TTFT
-stages and a one-line diagnosis."""
+stages, and the diagnosis: for TTFT and for TPOT the causes, ranked, with evidence and fixes."""
 from __future__ import annotations
 
 from typing import Any, Self
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
@@ -119,5 +120,38 @@ def print_report(console: Console, results: dict[str, Any]) -> None:
                       f"limit {search['limit']:g})")
     if results["summary"].get("cost"):
         console.print(cost_table(results["summary"]["cost"]))
-    if results["summary"]["diagnosis"]:
+    diagnoses = results["summary"].get("diagnoses")
+    if diagnoses:
+        for table in diagnosis_tables(diagnoses):
+            console.print(table)
+        for line in diagnoses.get("missing") or ():
+            console.print(f"[dim]not diagnosed: {escape(line)}[/]")
+    elif results["summary"].get("diagnosis"):
         console.print(f"[bold]where the time went:[/] {results['summary']['diagnosis']}")
+
+
+SECTIONS = (("ttft", "Why TTFT", "ms_p50", "TTFT p50"),
+            ("answer", "Why TTFAT (time to the first answer token)", "ttfat_ms_p50", "TTFAT p50"),
+            ("output", "Why TPOT", "tpot_ms_p50", "TPOT p50"))
+
+
+def diagnosis_tables(diagnoses: dict[str, Any]) -> list[Table]:
+    """One table per section: each finding's share, its number, what shows it, the fix."""
+    tables = []
+    for key, heading, p50_key, p50_label in SECTIONS:
+        section = diagnoses.get(key)
+        if not section or not section.get("findings"):
+            continue
+        p50 = section.get(p50_key)
+        title = f"{heading} · {p50_label} {_fmt(p50)} ms" if p50 is not None else heading
+        table = Table("share", "cause", "finding", title=title, title_justify="left",
+                      show_lines=True)
+        for f in section["findings"]:
+            detail = f"[bold]{escape(f['title'])}[/]"
+            if f.get("evidence"):
+                detail += f"\n{escape(f['evidence'])}"
+            if f.get("fix"):
+                detail += f"\n[green]fix:[/] {escape(f['fix'])}"
+            table.add_row(f"{f['share']:.0%}", f["cause"].replace("_", " "), detail)
+        tables.append(table)
+    return tables

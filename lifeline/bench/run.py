@@ -2,17 +2,31 @@
 results whose schema docs/bench.md documents."""
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from typing import Any
 
+import httpx
+
 from lifeline.bench import conversation
-from lifeline.bench.client import BenchClient
+from lifeline.bench.client import BenchClient, BenchRequest
+from lifeline.bench.diagnose import diagnose
 from lifeline.bench.load import LoadPlan, RunResult, Sent, run_load
 from lifeline.bench.metrics import Slo, distribution, request_metrics, summarize
 from lifeline.bench.stages import breakdown, diagnosis, ttft_split
-from lifeline.bench.workloads import Lengths, cycle, jsonl_requests, pick_tokenizer, random_requests
+from lifeline.bench.step_fit import fit_steps
+from lifeline.bench.step_index import fetch_steps
+from lifeline.bench.text_cost import reference, sample_texts, text_stats
+from lifeline.bench.workloads import (
+    Lengths,
+    Tokenizer,
+    cycle,
+    jsonl_requests,
+    pick_tokenizer,
+    random_requests,
+)
 
 SCHEMA = "lifeline.bench/1"
 DISTINCT_PROMPTS = 256
@@ -53,6 +67,8 @@ class BenchSettings:
     seed: int = 0
     timeout_s: float = 600.0
     api_key: str | None = None
+    admin_key: str | None = None
+    """Sent to read the server's step log (`/debug/steps`) when its API keys guard it."""
 
     def __post_init__(self) -> None:
         if self.requests is None and self.duration_s is None:
@@ -74,6 +90,7 @@ class BenchSettings:
     def public(self) -> dict[str, Any]:
         out = asdict(self)
         out.pop("api_key")
+        out.pop("admin_key")
         return out
 
 
@@ -116,12 +133,14 @@ async def build_workload(settings: BenchSettings, client: BenchClient) -> list:
 
 
 async def run_bench(settings: BenchSettings,
-                    on_done: Callable[[Sent], None] | None = None) -> dict[str, Any]:
-    """Run the benchmark `settings` describe and return its results."""
+                    on_done: Callable[[Sent], None] | None = None,
+                    client_type: type[BenchClient] = BenchClient) -> dict[str, Any]:
+    """Run the benchmark `settings` describe and return its results. `client_type`: a
+    `BenchClient` that sends or reads differently (a test's slow reader)."""
     slo = Slo.parse(settings.slo, settings.slo_attainment) if settings.slo else None
     plan = settings.plan()
     connections = max(plan.concurrency or 1024, 16)  # never the client's bottleneck
-    async with BenchClient(settings.url, settings.model or "", endpoint=settings.endpoint,
+    async with client_type(settings.url, settings.model or "", endpoint=settings.endpoint,
                            api_key=settings.api_key, max_connections=connections,
                            timeout_s=settings.timeout_s, pin_output=settings.pin_output,
                            extra_body=logprobs_body(settings)) as c:
@@ -133,9 +152,57 @@ async def run_bench(settings: BenchSettings,
             if settings.input_tokens < 1:
                 raise ValueError("--output-tokens leaves no room for a prompt in the context")
         workload = await build_workload(settings, c)
+        text, notes = await weigh_text(settings, c, workload)
         started = datetime.now(UTC)
+        since = time.time()
         result = await run_load(c, cycle(workload), plan, on_done)
-    return results(settings, result, slo, started)
+        log, note = await step_log(c, result, since, settings.admin_key)
+    return results(settings, result, slo, started, step_log=log, text=text,
+                   notes=[*notes, *([note] if note else [])])
+
+
+async def step_log(client: BenchClient, result: RunResult, since: float,
+                   admin_key: str | None) -> tuple[dict[str, Any] | None, str | None]:
+    """The server's step log over the run (warm-up included: its steps, often a request
+    alone, anchor the step-cost fit); only Lifeline servers keep one."""
+    raws = [s.trace.timings_raw for s in result.sent if s.trace.timings_raw]
+    if not any("gateway_ms" in r for r in raws):
+        kind = "the server" if not raws else "the server (not Lifeline)"
+        return None, f"{kind} keeps no step log: the output's batch, context and " \
+                     "prefill-interference causes are not split"
+    log, why = await fetch_steps(client.http, client.server_root, since, time.time(), admin_key)
+    if log is None:
+        return None, f"no step log: {why}"
+    return log, None
+
+
+async def weigh_text(settings: BenchSettings, client: BenchClient,
+                     workload: Sequence[BenchRequest]) -> tuple[dict[str, Any] | None, list[str]]:
+    """The token cost of a sample of the workload's text on the server's tokenizer (or
+    `--tokenizer`) against the reference (`lifeline.bench.text_cost`)."""
+    texts = sample_texts(t for req in workload for t in _texts(req))
+    if not texts:
+        return None, ["the prompts are token ids: no text to weigh the tokenizer on"]
+    try:
+        tk: Tokenizer = await pick_tokenizer(client, settings.tokenizer)
+        tokens = [len(await tk.encode(t)) for t in texts]
+        english = len(await tk.encode(reference()["english_sample"]))
+    except (RuntimeError, httpx.HTTPError, ValueError, OSError) as exc:
+        return None, [f"the prompts' tokens could not be counted ({exc}): no tokenizer finding"]
+    return text_stats(texts, tokens, english), []
+
+
+def _texts(req: BenchRequest) -> list[str]:
+    if isinstance(req.prompt, str) and "messages" not in req.extra:
+        return [req.prompt]
+    out = []
+    for message in req.extra.get("messages") or ():
+        content = message.get("content")
+        if isinstance(content, str):
+            out.append(content)
+        elif isinstance(content, list):
+            out += [p.get("text", "") for p in content if isinstance(p, dict)]
+    return out
 
 
 def logprobs_body(settings: BenchSettings) -> dict[str, Any]:
@@ -146,7 +213,8 @@ def logprobs_body(settings: BenchSettings) -> dict[str, Any]:
 
 
 def results(settings: BenchSettings, result: RunResult, slo: Slo | None,
-            started: datetime) -> dict[str, Any]:
+            started: datetime, *, step_log: dict[str, Any] | None = None,
+            text: dict[str, Any] | None = None, notes: Sequence[str] = ()) -> dict[str, Any]:
     sent = sorted(result.sent, key=lambda s: s.trace.sent)
     metrics = [request_metrics(s.trace) for s in sent]
     splits = [ttft_split(s.trace, m) if m.ok else None for s, m in zip(sent, metrics)]
@@ -156,7 +224,8 @@ def results(settings: BenchSettings, result: RunResult, slo: Slo | None,
     summary["client_lag_ms"] = distribution((s.trace.sent - s.scheduled) * 1e3 for s in sent)
     records = []
     for i, (s, m, split) in enumerate(zip(sent, metrics, splits)):
-        record = {"index": i, "turn": s.turn, "sent_s": s.trace.sent - result.start,
+        record = {"index": i, "id": s.trace.response_id, "turn": s.turn,
+                  "sent_s": s.trace.sent - result.start, "connect_ms": s.trace.connect_ms,
                   **m.scalars(),
                   "error_message": s.trace.error_message, "finish_reason": s.trace.finish_reason,
                   "expected_prompt_tokens": s.request.prompt_tokens,
@@ -164,9 +233,26 @@ def results(settings: BenchSettings, result: RunResult, slo: Slo | None,
                   "usage_output_tokens": s.trace.output_tokens,
                   "events": len(s.trace.chunks),
                   "event_tokens": sum(c.tokens for c in s.trace.chunks),
-                  "server_timings": s.trace.server_timings, "ttft_split_ms": split,
+                  "server_timings": s.trace.server_timings, "timings_raw": s.trace.timings_raw,
+                  "ttft_split_ms": split,
                   "itl_ms": m.itl_ms, "tbt_ms": m.tbt_ms}
         records.append(record)
-    return {"schema": SCHEMA, "started_at": started.isoformat(timespec="seconds"),
-            "settings": settings.public(), "summary": summary, "requests": records}
+    out = {"schema": SCHEMA, "started_at": started.isoformat(timespec="seconds"),
+           "settings": settings.public(), "summary": summary, "requests": records,
+           "text_cost": text, "step_log": step_log, "diagnosis_notes": list(notes)}
+    summary["diagnoses"] = diagnose(out)
+    out["step_log"] = log_summary(step_log)
+    return out
+
+
+def log_summary(log: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the results keep of the step log (the log itself runs to megabytes): how many
+    steps, the engine's limits, what was lost, and the step-cost fit."""
+    if not log:
+        return None
+    records = log.get("data") or []
+    cost = fit_steps(records)
+    return {"steps": len(records), "first": records[0]["step"] if records else None,
+            "last": records[-1]["step"] if records else None, "config": log.get("config"),
+            "dropped": log.get("dropped", 0), "fit": cost.as_dict() if cost else None}
 

@@ -15,6 +15,7 @@ from lifeline.engine.kv_layout import KVLayout, plan_kv
 from lifeline.engine.request import FinishReason, Request, RequestError, RequestStatus
 from lifeline.engine.sampling_params import SamplingParams
 from lifeline.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from lifeline.engine.step_log import StepLog, StepRecorder
 from lifeline.engine.stop import StopChecker
 from lifeline.engine.validation import ModelLimits, check_request
 from lifeline.tokenizer import IncrementalDetokenizer
@@ -64,9 +65,15 @@ class EngineConfig:
     eager): fused small kernels and a faster decode (docs/performance.md), a compile at the
     start (`LLMEngine.warmup`). The command line's `serve` defaults to it."""
 
+    step_log_size: int = 4096
+    """Steps the step log keeps (`LLMEngine.step_log`, the server's `/debug/steps`); 0 keeps
+    none. Each request's own share of its steps is recorded either way."""
+
     def __post_init__(self) -> None:
         if self.block_size < 1:
             raise ValueError("block_size must be positive")
+        if self.step_log_size < 0:
+            raise ValueError("step_log_size must be non-negative")
 
 
 @dataclass(slots=True)
@@ -140,6 +147,8 @@ class LLMEngine:
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len),
             self.block_manager)
         self.executor: Executor = (executor or self._model_executor)(layout)
+        self.recorder = StepRecorder(layout, config.max_num_seqs, config.max_num_batched_tokens,
+                                     config.step_log_size)
         self.moe: MoEAccounting | None = None
         """Routing accounting of an MoE model, from the first step whose executor reported
         routing counts (None for a dense model, or an executor that reports none)."""
@@ -191,6 +200,12 @@ class LLMEngine:
             while self.has_unfinished_requests():
                 self.step()
         self._counter = itertools.count()
+        self.recorder.reset()
+
+    @property
+    def step_log(self) -> StepLog:
+        """The recent steps, readable from any thread."""
+        return self.recorder.log
 
     @property
     def max_model_len(self) -> int:
@@ -199,11 +214,13 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, arrival: float | None = None, *,
                     cache_salt: str | None = None, deadline: float | None = None,
-                    fault: str | None = None) -> Request:
+                    fault: str | None = None, client_id: str | None = None,
+                    choice_index: int | None = None) -> Request:
         """`cache_salt` (vLLM's): requests share prefix-cache blocks only if their salts are
         equal (no salt and the empty salt are the same). `deadline` (engine clock): a request
         still running then ends with finish reason 'length', one with no token yet fails with
-        `RequestError.TIMEOUT`."""
+        `RequestError.TIMEOUT`. `client_id` and `choice_index`: the response and choice this
+        request serves, as the step log names it (default: `request_id`)."""
         params = params or SamplingParams()
         now = self.clock()
         order = next(self._counter)
@@ -214,13 +231,15 @@ class LLMEngine:
         ids = self._tokenize(prompt)
         req = Request(request_id, ids, params, prompt=text, eos_token_ids=self.eos_token_ids,
                       arrival_order=order, extra_hash_key=(cache_salt or "").encode(),
-                      deadline=deadline, fault=fault)
+                      deadline=deadline, fault=fault, client_id=client_id,
+                      choice_index=choice_index)
         req.timeline.arrival = arrival if arrival is not None else now
         req.timeline.arrival_wall = time.time()
         req.timeline.tokenized = self.clock()
         self._validate(req)
         req.want_prompt_logits = params.prompt_logprobs is not None
         self.scheduler.add_request(req)
+        self.recorder.arrive(req, len(self.scheduler.running))
         req.timeline.queued = self.clock()
         self.requests[request_id] = req
         if deadline is not None:
@@ -281,7 +300,7 @@ class LLMEngine:
         if out.is_empty:
             return ended + self._refuse_unschedulable()
         try:
-            result, started, done = self._execute(out)
+            result, started, wall, done = self._execute(out)
         except Exception as exc:  # noqa: BLE001 - one request fails, not the engine
             return ended + self._fail_step(out, exc, isolate=len(out.scheduled) > 1)
         try:  # after sampling: a retry would draw seeded requests' tokens again
@@ -289,6 +308,8 @@ class LLMEngine:
                 self._moe_accounting().end(result.moe)
             self._record_prompt_outputs(result)
             self._record_prefill(out, started, done)
+            self.recorder.record(out, self.scheduler, self.block_manager, started, wall,
+                                 done - started)
             requests = [self.requests[rid] for rid in result.request_ids]
             finished = self.scheduler.update(out, {id(r): t for r, t in zip(requests,
                                                                              result.token_ids)})
@@ -296,12 +317,13 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - state half-advanced: fail the batch
             return ended + self._fail_step(out, exc, isolate=False)
 
-    def _execute(self, out: SchedulerOutput) -> tuple[ModelOutput, float, float]:
+    def _execute(self, out: SchedulerOutput) -> tuple[ModelOutput, float, float, float]:
+        """The executor's output, and its start (engine clock, wall clock) and end."""
         if any(s.request.fault == "step" for s in out.scheduled):
             raise InjectedFault("fault injected by a request (X-Lifeline-Fault: step)")
-        started = self.clock()
+        wall, started = time.time(), self.clock()
         result = self.executor.execute(out)
-        return result, started, self.clock()
+        return result, started, wall, self.clock()
 
     def _moe_accounting(self) -> MoEAccounting:
         if self.moe is None:  # its counts are torch's, as the executor that made them
@@ -384,6 +406,7 @@ class LLMEngine:
     def _release(self, req: Request) -> None:
         if self.moe is not None:
             req.timeline.moe = self.moe.finish(req.request_id)
+        self.recorder.forget(req)
         self.requests.pop(req.request_id, None)
         self._outputs.pop(req.request_id, None)
 

@@ -56,6 +56,9 @@ class Timeline:
     moe: Any = None
     """Expert routing of an MoE model's request (`lifeline.engine.moe_usage.MoEUsage`), set
     when the request leaves the engine; None for a dense model."""
+    steps: Any = None
+    """The request's share of the steps that ran it (`lifeline.engine.step_log.RequestSteps`),
+    set when the engine adds it."""
 
     def as_dict(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in self.__slots__}
@@ -94,6 +97,11 @@ class Request:
     """Was in a step that raised: runs alone until a step of it succeeds."""
     num_step_failures: int = 0
     """Steps that raised while running this request since it last ran alone without raising."""
+    client_id: str | None = None
+    """The id of the response this request serves, where the server gave the engine another
+    one (each of a response's choices is an engine request); the step log names it so."""
+    choice_index: int | None = None
+    """Which of the response's choices, when it has several."""
     fault: str | None = None
     """A fault to inject when a step runs this request ('step': that step raises), set only
     by a server started with fault injection on."""

@@ -43,6 +43,10 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    limit: str | None = None
+    """What kept waiting requests out of this step: 'max_num_seqs' (the batch was full),
+    'kv_cache' (the head's blocks did not fit, or running requests were preempted) or
+    'token_budget' (the step's tokens were spent); None when nothing waited or all fit."""
 
     @property
     def num_tokens(self) -> int:
@@ -79,8 +83,10 @@ class Scheduler:
             return out
         budget = self.config.max_num_batched_tokens
         budget = self._schedule_running(out, budget, now)
-        if not out.preempted:
-            self._schedule_waiting(out, budget, now)
+        if out.preempted:
+            out.limit = "kv_cache"
+        else:
+            out.limit = self._schedule_waiting(out, budget, now)
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, now: float) -> int:
@@ -99,14 +105,20 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, now: float) -> str | None:
+        """Admit from the head of the queue while it fits; the limit that stopped it."""
+        while self.waiting:
+            if len(self.running) >= self.config.max_num_seqs:
+                return "max_num_seqs"
+            if budget <= 0:
+                return "token_budget"
             if self.waiting[0].suspect:
-                break  # it runs alone, in a step of its own
+                return None  # it runs alone, in a step of its own
             num_new = self._admit_head(out, budget, now)
             if not num_new:
-                break
+                return "kv_cache"
             budget -= num_new
+        return None
 
     def _admit_head(self, out: SchedulerOutput, budget: int, now: float) -> int:
         """Move the head of the queue to running with up to `budget` tokens this step; the

@@ -342,6 +342,8 @@ class _Builder:
                 check = choice(WEIGHT_FORMATS)
             elif "bool" in kind:
                 check = boolean
+            elif key == "step_log_size":
+                check = integer(0)
             elif "int" in kind:
                 check = integer(1)
             else:
@@ -360,7 +362,7 @@ class _Builder:
             "reasoning_parser": choice(("think",)), "tool_call_parser": choice(("hermes",)),
             "max_queued_requests": integer(0), "request_timeout": positive,
             "default_max_tokens": integer(1), "salt_cache_by_api_key": boolean,
-            "enable_fault_injection": boolean, "max_n": integer(1),
+            "enable_fault_injection": boolean, "max_n": integer(1), "admin_key": text,
             "sampling_defaults": _sampling_defaults}
         out = {key: t.get(key, check) for key, check in checks.items() if key in t.data}
         t.known.extend(checks)

@@ -22,6 +22,9 @@ from lifeline.engine.request import Timeline
 STAGES = ("gateway", "template", "tokenize", "queue", "prefill", "decode", "detokenize",
           "stream")
 """The stages of a request, in the order they begin."""
+NO_STEP_FACTS: dict[str, Any] = {"steps": None, "queue": None, "kv_bytes_read_per_token": None,
+                                 "recomputed_tokens": 0}
+"""The step keys of `timings` for a request the engine recorded no steps of."""
 
 
 @dataclass(slots=True)
@@ -122,6 +125,9 @@ class RequestRecord:
     """Prompt tokens by origin (system, tools, history, latest turn, scaffolding), if known."""
     moe: dict[str, Any] | None = None
     """An MoE model's routing for this request (`MoEUsage.summary`); None for a dense model."""
+    step_facts: dict[str, Any] | None = None
+    """Its share of the engine's steps (`RequestSteps.summary`): `steps`, `queue`,
+    `kv_bytes_read_per_token`, `recomputed_tokens`; None if the engine recorded none."""
 
     @classmethod
     def build(cls, stamps: ServerStamps, timeline: Timeline, *, request_id: str, model: str,
@@ -161,7 +167,8 @@ class RequestRecord:
             completion_tokens=completion_tokens, reasoning_tokens=reasoning_tokens,
             preemptions=len(timeline.preemptions), write=stamps.stream_s,
             prompt_anatomy=anatomy,
-            moe=timeline.moe.summary() if timeline.moe is not None else None)
+            moe=timeline.moe.summary() if timeline.moe is not None else None,
+            step_facts=timeline.steps.summary() if timeline.steps is not None else None)
 
     def stage_seconds(self) -> dict[str, float]:
         """Each stage's duration, in `STAGES` order."""
@@ -200,6 +207,8 @@ class RequestRecord:
         out["decode_tok_s"] = self.decode_tok_s
         out["preemptions"] = self.preemptions
         out["prompt_anatomy"] = self.prompt_anatomy
+        out["reasoning_tokens"] = self.reasoning_tokens
+        out.update(self.step_facts or NO_STEP_FACTS)
         if self.moe is not None:
             out["moe"] = self.moe
         return out
@@ -248,11 +257,16 @@ def combine_timelines(timelines: Sequence[Timeline]) -> Timeline:
         finished=max(ends, default=None),
         detokenize_s=sum(t.detokenize_s for t in timelines),
         moe=_merged_moe([t.moe for t in timelines if t.moe is not None]),
+        steps=_merged_steps([t.steps for t in timelines if t.steps is not None]),
     )
 
 
 def _merged_moe(usages: list[Any]) -> Any:
     return type(usages[0]).merged(usages) if usages else None
+
+
+def _merged_steps(parts: list[Any]) -> Any:
+    return type(parts[0]).merged(parts) if parts else None
 
 
 def _engine_end(timeline: Timeline, last_byte: float, tokenized: float) -> float:

@@ -13,6 +13,9 @@ class EngineStats:
     """Requests waiting to be scheduled."""
     kv_usage: float = 0.0
     """Fraction of KV cache blocks in use (1 means full)."""
+    kv_blocks_used: int = 0
+    """KV cache blocks held by requests (every cache group's)."""
+    kv_blocks_total: int = 0
     prefix_cache_queries: int = 0
     """Prompt tokens looked up in the prefix cache since the engine started."""
     prefix_cache_hits: int = 0
@@ -38,7 +41,9 @@ class EngineStats:
         scheduler, blocks = engine.scheduler, engine.block_manager
         errors = getattr(engine, "step_errors", None)
         return cls(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
-                   kv_usage=blocks.usage, prefix_cache_queries=blocks.stats.queries,
+                   kv_usage=blocks.usage,
+                   kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
+                   kv_blocks_total=blocks.num_blocks, prefix_cache_queries=blocks.stats.queries,
                    prefix_cache_hits=blocks.stats.hits,
                    num_preemptions=scheduler.num_preemptions,
                    step_errors=errors.count if errors else 0,

@@ -124,7 +124,7 @@ def settings_from(args: argparse.Namespace, deployment: Deployment) -> BenchSett
                          "(R replicas behind a balancer serve R times its users and tokens)")
     args.gpus = float(args.tp)
     args.url = f"plan://{deployment.cost.hw.id}"
-    args.api_key = None
+    args.api_key = args.admin_key = None
     args.model = deployment.cost.model.name or args.model
     return bench_command.settings_from(args)
 

@@ -263,6 +263,8 @@ class _Load:
             if out.error is not None:
                 p.trace.error = out.error.value
                 p.trace.error_message = f"the engine ended the request: {out.error.value}"
+            p.trace.response_id = req.request_id
+            p.trace.timings_raw = plan_timings(req, p.trace.sent, p.reached)
             p.trace.server_timings = server_timings(req, p.trace.sent, p.reached)
             self.finish(p)
 
@@ -300,10 +302,9 @@ class CapacityWatch:
                 self.budget_limited_steps += 1
 
 
-def server_timings(req: Request, sent: float, reached: float
-                   ) -> dict[str, float | None] | None:
-    """The `timings` a Lifeline server reports for `req` (docs/serve.md), normalised as the
-    bench normalises a real server's: the front is from sending to reaching the engine."""
+def plan_timings(req: Request, sent: float, reached: float) -> dict[str, Any] | None:
+    """The `timings` a Lifeline server reports for `req` (docs/serve.md): the front is from
+    sending to reaching the engine, its steps are the engine's own record of them."""
     tl = req.timeline
     if tl.first_token is None:
         return None
@@ -315,8 +316,22 @@ def server_timings(req: Request, sent: float, reached: float
                "prefill_ms": (tl.first_token - first_scheduled) * 1e3,
                "decode_ms": (last - tl.first_token) * 1e3,
                "ttft_ms": (tl.first_token - sent) * 1e3, "e2e_ms": (last - sent) * 1e3,
-               "cached_tokens": req.num_cached_tokens,
-               "prefill_chunks": len(tl.prefill_chunks)}
+               "stream_ms": 0.0, "cached_tokens": req.num_cached_tokens,
+               "prompt_tokens": req.num_prompt_tokens,
+               "completion_tokens": req.num_output_tokens,
+               "prefill_chunks": len(tl.prefill_chunks), "preemptions": len(tl.preemptions)}
+    if tl.steps is not None:
+        timings.update(tl.steps.summary())
+    return timings
+
+
+def server_timings(req: Request, sent: float, reached: float
+                   ) -> dict[str, float | None] | None:
+    """`plan_timings` normalised as the bench normalises a real server's."""
+    timings = plan_timings(req, sent, reached)
+    if timings is None:
+        return None
+    tl = req.timeline
     out = normalize({"timings": timings})
     out["source"] = "lifeline-plan"
     out["prefill_chunks"] = len(tl.prefill_chunks)
@@ -356,7 +371,9 @@ def run_plan(settings: BenchSettings, deployment: Deployment,
     load = _Load(settings, deployment, cycle(workload), on_done)
     result = load.run()
     started = datetime.now(UTC)
-    out = results(settings, result, slo, started)
+    log = load.engine.step_log
+    steps = {"data": [r.as_dict() for r in log.latest(log.size)], "config": log.config}
+    out = results(settings, result, slo, started, step_log=steps)
     out["plan"] = plan_section(deployment, load.engine, load.watch, out,
                                time.perf_counter() - t0)
     return out

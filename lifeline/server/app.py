@@ -19,6 +19,7 @@ from lifeline.engine.validation import InvalidRequest, check_token_ids
 from lifeline.model.loader import LoadedModel
 from lifeline.server.async_engine import AsyncEngine
 from lifeline.server.config import ServerConfig
+from lifeline.server.debug import router as debug_router
 from lifeline.server.engine_client import EngineClient
 from lifeline.server.errors import APIError, bad_request, install_handlers, refused
 from lifeline.server.middleware import GatewayMiddleware
@@ -74,6 +75,7 @@ def create_app(loaded_model: LoadedOrLoader, config: ServerConfig | None = None)
     app.state.lifeline = state
     install_handlers(app)
     app.include_router(router)
+    app.include_router(debug_router)
     _add_routes(app, state)
     app.add_middleware(GatewayMiddleware, state=state)
     _add_cors(app, config)

@@ -27,6 +27,7 @@ from typing import Any
 from lifeline.engine.engine import LLMEngine, RequestOutput
 from lifeline.engine.request import RequestError, Timeline
 from lifeline.engine.sampling_params import SamplingParams
+from lifeline.engine.step_log import StepLog
 from lifeline.observe.stats import EngineStats
 from lifeline.server.engine_client import (
     EngineClient,
@@ -75,6 +76,8 @@ class _Add:
     cache_salt: str | None = None
     deadline: float | None = None
     fault: str | None = None
+    client_id: str | None = None
+    choice_index: int | None = None
 
 
 @dataclass(slots=True)
@@ -146,6 +149,10 @@ class AsyncEngine(EngineClient):
     def stats(self) -> EngineStats:
         return EngineStats() if self.engine is None else EngineStats.of(self.engine)
 
+    @property
+    def step_log(self) -> StepLog | None:
+        return None if self.engine is None else self.engine.step_log
+
     def _built(self) -> LLMEngine:
         if self.engine is None:
             raise RuntimeError("the engine is not built yet")
@@ -153,7 +160,8 @@ class AsyncEngine(EngineClient):
 
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, *,
                        arrival: float, cache_salt: str | None = None,
-                       deadline: float | None = None, fault: str | None = None
+                       deadline: float | None = None, fault: str | None = None,
+                       client_id: str | None = None, choice_index: int | None = None
                        ) -> AsyncIterator[GenerationOutput]:
         if self.error is not None:
             raise _dead(self.error)
@@ -161,7 +169,7 @@ class AsyncEngine(EngineClient):
         sink: asyncio.Queue = asyncio.Queue()
         accepted = loop.create_future()
         self._commands.put(_Add(prompt_ids, params, request_id, arrival, sink, loop, accepted,
-                                cache_salt, deadline, fault))
+                                cache_salt, deadline, fault, client_id, choice_index))
         if self.error is not None:  # the loop died before it could take the add, or drained it
             raise _dead(self.error)
         try:
@@ -239,7 +247,8 @@ class AsyncEngine(EngineClient):
         try:
             self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.arrival,
                                     cache_salt=cmd.cache_salt, deadline=cmd.deadline,
-                                    fault=cmd.fault)
+                                    fault=cmd.fault, client_id=cmd.client_id,
+                                    choice_index=cmd.choice_index)
         except Exception as exc:  # noqa: BLE001 - validation errors go back to the caller
             _call(cmd.loop, _settle, cmd.accepted, exc)
             return
@@ -288,9 +297,11 @@ def _snapshot(out: RequestOutput, first: bool) -> GenerationOutput:
 
 
 def _copy(timeline: Timeline) -> Timeline:
+    steps = timeline.steps
     return dataclasses.replace(timeline, prefill_chunks=list(timeline.prefill_chunks),
                                token_times=list(timeline.token_times),
-                               preemptions=list(timeline.preemptions))
+                               preemptions=list(timeline.preemptions),
+                               steps=None if steps is None else steps.copy())
 
 
 def _model_info(engine: LLMEngine) -> ModelInfo:

@@ -19,6 +19,9 @@ class ServerConfig:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     api_keys: list[str] = field(default_factory=list)
+    admin_key: str | None = None
+    """The key of `/debug/*` and `/dashboard*` (docs/serve.md, "Debug endpoints"): once API
+    keys or this key are configured, those paths answer only to it (403 otherwise)."""
     protect_metrics: bool = False
     rate_limit_rpm: int | None = None
     rate_limit_tpm: int | None = None
@@ -64,3 +67,5 @@ class ServerConfig:
         check_sampling_defaults(self.sampling_defaults)
         if any(not key for key in self.api_keys):
             raise ValueError("an API key may not be empty")
+        if self.admin_key == "":
+            raise ValueError("the admin key may not be empty")

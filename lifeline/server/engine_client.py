@@ -14,6 +14,7 @@ from lifeline.observe.stats import EngineStats
 
 if TYPE_CHECKING:
     from lifeline.engine.request import Timeline
+    from lifeline.engine.step_log import StepLog
     from lifeline.engine.executor import TokenLogprobs
     from lifeline.engine.sampling_params import SamplingParams
 
@@ -88,9 +89,11 @@ class EngineClient(Protocol):
 
     def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, *,
                  arrival: float, cache_salt: str | None = None, deadline: float | None = None,
-                 fault: str | None = None) -> AsyncIterator[GenerationOutput]:
+                 fault: str | None = None, client_id: str | None = None,
+                 choice_index: int | None = None) -> AsyncIterator[GenerationOutput]:
         """One output per step that gave the request a token; the last is finished. Closing
-        the iterator early aborts the request. A request the engine refuses raises
+        the iterator early aborts the request. `client_id` and `choice_index` name the
+        response (and its choice) the request serves, for the engine's step log. A request the engine refuses raises
         `InvalidRequest`; one it ended without an answer, its `APIError`; a dead engine,
         `EngineDeadError`."""
 
@@ -108,3 +111,8 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats:
         """The engine's counts now (callable from any thread)."""
+
+    @property
+    def step_log(self) -> StepLog | None:
+        """The engine's recent steps (readable from any thread); None for an engine that keeps
+        none or reports none (another process, an upstream server)."""

@@ -10,6 +10,20 @@ from lifeline.server.errors import APIError
 
 OPEN_PATHS = frozenset({"/health", "/ready"})
 WINDOW_S = 60.0
+ADMIN_QUERY_KEY = "admin_key"
+"""Where a browser's `EventSource` (which cannot send headers) puts the admin key."""
+
+
+def is_admin_path(path: str) -> bool:
+    """The debug endpoints and the dashboard's stream: what the server holds about every
+    tenant."""
+    return not is_dashboard_file(path) and path.startswith(("/debug/", "/dashboard/"))
+
+
+def is_dashboard_file(path: str) -> bool:
+    """The dashboard's page and files: code, no data. A browser fetches them without a key
+    and the page sends the admin key with its own requests."""
+    return path == "/dashboard" or path.startswith("/dashboard/static/")
 
 
 def bearer_key(authorization: str | None) -> str | None:
@@ -20,19 +34,25 @@ def bearer_key(authorization: str | None) -> str | None:
 
 
 class Authenticator:
-    """Constant-time comparison against every configured key (no early exit on a match)."""
+    """Constant-time comparison against every configured key (no early exit on a match).
+    The admin paths (`is_admin_path`) answer to the admin key alone once any key is
+    configured: an API key names a tenant, and those paths show every tenant's requests."""
 
-    def __init__(self, keys: list[str], protect_metrics: bool):
+    def __init__(self, keys: list[str], protect_metrics: bool, admin_key: str | None = None):
         self.keys = [k.encode() for k in keys]
+        self.admin_key = admin_key.encode() if admin_key else None
         self.open_paths = OPEN_PATHS if protect_metrics else OPEN_PATHS | {"/metrics"}
 
     @property
     def enabled(self) -> bool:
         return bool(self.keys)
 
-    def check(self, path: str, authorization: str | None) -> str:
-        """The caller's key (its identity for rate limits); raises 401 when it is wrong."""
-        if not self.keys or path in self.open_paths:
+    def check(self, path: str, authorization: str | None, query_key: str | None = None) -> str:
+        """The caller's key (its identity for rate limits); raises 401 when it is wrong (403 on
+        an admin path). `query_key`: the admin key sent in the query string."""
+        if is_admin_path(path):
+            return self._check_admin(bearer_key(authorization) or query_key)
+        if not self.keys or path in self.open_paths or is_dashboard_file(path):
             return "anonymous"
         given = (bearer_key(authorization) or "").encode()
         matched = False
@@ -42,6 +62,17 @@ class Authenticator:
             raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
                            None, "invalid_api_key")
         return given.decode()
+
+    def _check_admin(self, given: str | None) -> str:
+        if not self.keys and self.admin_key is None:
+            return "anonymous"
+        if self.admin_key is not None and hmac.compare_digest((given or "").encode(),
+                                                              self.admin_key):
+            return "admin"
+        why = ("this server has no admin key (--admin-key)" if self.admin_key is None else
+               "send the admin key ('Authorization: Bearer KEY' or ?admin_key=KEY)")
+        raise APIError(403, f"the debug endpoints and the dashboard need the admin key: {why}",
+                       None, "admin_key_required")
 
 
 @dataclass(slots=True)

@@ -33,6 +33,8 @@ class Choice:
     state: object = None
     """Per-choice parser state the endpoint keeps (reasoning, tool calls)."""
     cache_salt: str | None = None
+    parent: str | None = None
+    """The id of the response this choice belongs to."""
 
     @property
     def text(self) -> str:
@@ -166,7 +168,9 @@ class Generation:
         try:
             async for out in self.client.generate(
                     choice.prompt_ids, choice.params, choice.request_id, arrival=self.arrival,
-                    cache_salt=choice.cache_salt, deadline=self.deadline, fault=self.fault):
+                    cache_salt=choice.cache_salt, deadline=self.deadline, fault=self.fault,
+                    client_id=choice.parent,
+                    choice_index=choice.index if len(self.choices) > 1 else None):
                 if not choice.started:
                     choice.started = True
                     self.admission.started()

@@ -4,14 +4,17 @@ accounted for."""
 from __future__ import annotations
 
 import time
+from urllib.parse import parse_qs
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from lifeline.observe import ServerStamps
 from lifeline.server.errors import APIError
+from lifeline.server.gateway import ADMIN_QUERY_KEY, is_admin_path
 from lifeline.server.state import ServerState
 
 QUIET_PATHS = frozenset({"/health", "/ready", "/metrics"})
+"""Not logged unless they fail; nor are the admin paths (`is_admin_path`): a dashboard polls."""
 
 
 class GatewayMiddleware:
@@ -52,7 +55,9 @@ class GatewayMiddleware:
                    for k, v in scope.get("headers", ())}
         if _is_preflight(scope, headers):
             return "anonymous"  # a browser never sends a key on a preflight
-        key = self.state.auth.check(scope["path"], headers.get("authorization"))
+        path = scope["path"]
+        query_key = _query_admin_key(scope) if is_admin_path(path) else None
+        key = self.state.auth.check(path, headers.get("authorization"), query_key)
         length = headers.get("content-length")
         if length and length.isdigit() and int(length) > self.state.config.max_body_bytes:
             raise APIError(413, f"the body is larger than {self.state.config.max_body_bytes} "
@@ -60,10 +65,16 @@ class GatewayMiddleware:
         return key
 
     def _log(self, scope: Scope, stamps: ServerStamps, status: int) -> None:
-        if scope["path"] in QUIET_PATHS and status < 400:
+        path = scope["path"]
+        if (path in QUIET_PATHS or path.startswith(("/debug/", "/dashboard"))) and status < 400:
             return
         stamps.last_byte = time.perf_counter()
         self.state.log_plain(stamps, scope["path"], status)
+
+
+def _query_admin_key(scope: Scope) -> str | None:
+    values = parse_qs(scope.get("query_string", b"").decode("latin-1")).get(ADMIN_QUERY_KEY)
+    return values[0] if values else None
 
 
 def _is_preflight(scope: Scope, headers: dict[str, str]) -> bool:

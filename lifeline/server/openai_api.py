@@ -178,7 +178,8 @@ def _make_choices(job: Job) -> None:
         for i in range(body.n):
             index = p * body.n + i
             choice = Choice(index, f"{job.response_id}-{index}", ids,
-                            child_params(prompt_params, i), cache_salt=salt)
+                            child_params(prompt_params, i), cache_salt=salt,
+                            parent=job.response_id)
             if job.is_chat:
                 choice.state = state.chat.parser(body, job.rendered)
             job.choices.append(choice)

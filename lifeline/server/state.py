@@ -19,6 +19,7 @@ from lifeline.server.config import ServerConfig
 from lifeline.server.engine_client import EngineClient, ModelInfo
 from lifeline.server.errors import APIError
 from lifeline.server.gateway import Admission, Authenticator, RateLimiter
+from lifeline.server.recent import RecentRequests
 from lifeline.server.responses import TokenText
 
 if TYPE_CHECKING:
@@ -116,12 +117,17 @@ class ServerState:
     on_fatal: Callable[[], None] | None = None
     """Called once the server cannot serve at all (`lifeline serve` exits non-zero)."""
     engine_error_logged: bool = False
+    recent: RecentRequests = field(default_factory=RecentRequests)
+    """The last finished requests, for the debug endpoints and the dashboard."""
+    viewers: set = field(default_factory=set)
+    """Open `/dashboard/events` streams."""
 
     @classmethod
     def build(cls, loaded: LoadedModel | None, config: ServerConfig) -> ServerState:
         model_id = served_model_id(loaded, config)
         return cls(config=config, model_id=model_id,
-                   auth=Authenticator(config.api_keys, config.protect_metrics),
+                   auth=Authenticator(config.api_keys, config.protect_metrics,
+                                      config.admin_key),
                    limiter=RateLimiter(config.rate_limit_rpm, config.rate_limit_tpm),
                    admission=Admission(config.max_queued_requests),
                    metrics=Metrics(model_id), access_log=AccessLog(),
@@ -195,6 +201,7 @@ class ServerState:
         """One request that reached the engine (finished, aborted or failed): Prometheus, the
         access log, a trace."""
         self.metrics.observe(record)
+        self.recent.add(record)
         self.access_log.write(record)
         self.tracer.emit(record)
 

@@ -1,0 +1,440 @@
+"""The diagnosis against causes made on purpose. Each test runs `lifeline bench` (its own code
+path: the streaming client, the step log fetched from `/debug/steps`) against a real server on
+loopback, in a setting or with a workload that produces one cause, and checks that the
+diagnosis ranks that cause first with its number within 10% of one measured another way: the
+server's own records (its `timings`), the client's clock in a control run without the cause,
+or what the test itself did (a delay it slept). Every cause runs at two sizes. Tiny random
+models: the causes are the scheduler's, the client's and the prompt's, which need no trained
+weights."""
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+import torch
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as Backend
+
+from lifeline.bench.client import BenchClient, absorb
+from lifeline.bench.compare import attribute
+from lifeline.bench.run import BenchSettings, run_bench
+from lifeline.bench.workloads import WORDS
+from lifeline.engine.engine import EngineConfig
+from lifeline.model.config import ModelConfig
+from lifeline.model.loader import LoadedModel, build_model, init_dummy_weights, load_weights
+from lifeline.server.config import ServerConfig
+from lifeline.server.testing import ServerThread
+from lifeline.tokenizer import HFTokenizer
+
+TOLERANCE = 0.10
+TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+"""A chat template without scaffolding: the anatomy is the messages' own text."""
+
+
+def _word_tokenizer(path) -> HFTokenizer:
+    vocab = {"[UNK]": 0, "</s>": 1, **{w: i + 2 for i, w in enumerate(dict.fromkeys(WORDS))}}
+    backend = Backend(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece()
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return HFTokenizer(path)
+
+
+def _byte_tokenizer(path) -> HFTokenizer:
+    """One token a UTF-8 byte: the vocabulary of a byte-level BPE before any merge."""
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {"</s>": 0, **{ch: i + 1 for i, ch in enumerate(sorted(alphabet))}}
+    backend = Backend(models.BPE(vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    return HFTokenizer(path)
+
+
+def _random_model(tokenizer: HFTokenizer, path, *, hidden=128, layers=6, kv_heads=2,
+                  max_position=8192) -> LoadedModel:
+    heads = max(kv_heads, hidden // 32)
+    cfg = ModelConfig(architecture="llama", vocab_size=tokenizer.vocab_size, hidden_size=hidden,
+                      num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
+                      head_dim=hidden // heads, intermediate_size=2 * hidden,
+                      max_position=max_position)
+    model = build_model(cfg)
+    init_dummy_weights(model)
+    return LoadedModel(model.eval(), cfg, tokenizer, str(path), "dummy")
+
+
+def _serve(loaded: LoadedModel, path, **engine) -> ServerThread:
+    (path / "template.jinja").write_text(TEMPLATE)
+    engine.setdefault("num_kv_blocks", 2048)
+    return ServerThread(loaded, ServerConfig(served_model_name="tiny",
+                                             chat_template=path / "template.jinja",
+                                             engine=EngineConfig(**engine)))
+
+
+@pytest.fixture(scope="module")
+def words(tmp_path_factory):
+    path = tmp_path_factory.mktemp("words")
+    with _serve(_random_model(_word_tokenizer(path), path), path) as srv:
+        yield srv
+
+
+@pytest.fixture(scope="module")
+def two_seqs(tmp_path_factory):
+    """Room for two requests at once: a load of more waits in the queue."""
+    path = tmp_path_factory.mktemp("two")
+    with _serve(_random_model(_word_tokenizer(path), path), path, max_num_seqs=2) as srv:
+        yield srv
+
+
+def _bench(srv: ServerThread, client_type=BenchClient, **settings) -> dict:
+    settings.setdefault("warmup", 1)
+    return asyncio.run(run_bench(BenchSettings(url=srv.base_url + "/v1", **settings),
+                                 client_type=client_type))
+
+
+def _section(results: dict, name: str) -> dict:
+    return results["summary"]["diagnoses"][name]
+
+
+def _finding(results: dict, name: str, cause: str) -> dict:
+    return next(f for f in _section(results, name)["findings"] if f["cause"] == cause)
+
+
+def _first(results: dict, name: str) -> dict:
+    return _section(results, name)["findings"][0]
+
+
+def _records(results: dict) -> list[dict]:
+    return [r for r in results["requests"] if r["ok"]]
+
+
+def _mean(values) -> float:
+    values = list(values)
+    return sum(values) / len(values)
+
+
+def _close(value: float, reference: float, tolerance: float = TOLERANCE) -> bool:
+    return abs(value - reference) <= tolerance * abs(reference)
+
+
+def _check_sums(results: dict) -> None:
+    """Shares sum to 1 and the causes' ms to the mean they split; with a fixed output length,
+    the TTFT and TPOT causes add up to the mean E2E."""
+    d = results["summary"]["diagnoses"]
+    assert d["ttft"]["findings"] and d["output"]["findings"]
+    for name, mean_key in (("ttft", "ms_mean"), ("output", "tpot_ms_mean")):
+        findings = d[name]["findings"]
+        assert sum(f["share"] for f in findings) == pytest.approx(1.0, abs=1e-3)
+        assert sum(f["ms"] for f in findings) == pytest.approx(d[name][mean_key], rel=1e-3)
+    records = _records(results)
+    assert d["ttft"]["ms_mean"] == pytest.approx(_mean(r["ttft_ms"] for r in records), rel=1e-6)
+    tokens = {r["output_tokens"] for r in records}
+    if len(tokens) == 1:
+        e2e = d["ttft"]["ms_mean"] + (tokens.pop() - 1) * d["output"]["tpot_ms_mean"]
+        assert e2e == pytest.approx(_mean(r["e2e_ms"] for r in records), rel=1e-6)
+    assert not any("no step log" in m for m in d["missing"]), d["missing"]
+
+
+# --- TTFT -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("prompt", [600, 1800])
+def test_long_prompts_make_prefill_the_first_cause_of_ttft(words, prompt):
+    r = _bench(words, concurrency=1, requests=4, input_tokens=prompt, output_tokens=4)
+    _check_sums(r)
+    first = _first(r, "ttft")
+    assert first["cause"] == "prefill", _section(r, "ttft")
+    records = _records(r)
+    server_prefill = _mean(x["server_timings"]["prefill_ms"] for x in records)
+    assert _close(first["ms"], server_prefill)
+    speed = _mean(x["timings_raw"]["prefill_tok_s"] for x in records)
+    assert _close(first["numbers"]["prefill_tok_s"], speed)
+    assert first["numbers"]["computed_tokens"] == pytest.approx(prompt)
+
+
+@pytest.mark.parametrize("users", [4, 8])
+def test_more_users_than_sequences_make_the_queue_the_first_cause(two_seqs, users):
+    r = _bench(two_seqs, concurrency=users, requests=3 * users, input_tokens=16,
+               output_tokens=24)
+    _check_sums(r)
+    first = _first(r, "ttft")
+    assert first["cause"] == "queue", _section(r, "ttft")
+    queue = _mean(x["timings_raw"]["queue_ms"] for x in _records(r))
+    assert _close(first["ms"], queue)
+    assert first["numbers"]["limit"] == "max_num_seqs" and first["numbers"]["max_num_seqs"] == 2
+    assert "max_num_seqs" in first["title"]
+
+
+def _system_dataset(path, system_words: int, count: int, with_system: bool) -> str:
+    """Chat requests each with its own system prompt (so none is served from the cache) and a
+    short question."""
+    lines = []
+    for i in range(count):
+        system = " ".join(WORDS[(i * 7 + j * 13) % len(WORDS)] for j in range(system_words))
+        messages = [{"role": "user", "content": " ".join(WORDS[(i + j) % 50] for j in range(24))}]
+        if with_system:
+            messages.insert(0, {"role": "system", "content": system})
+        lines.append(json.dumps({"messages": messages, "max_tokens": 4}))
+    file = path / f"system_{system_words}_{with_system}.jsonl"
+    file.write_text("\n".join(lines))
+    return str(file)
+
+
+@pytest.mark.parametrize("system_words", [1500, 3000])
+def test_a_long_system_prompt_makes_prompt_assembly_the_first_cause(words, tmp_path,
+                                                                     system_words):
+    settings = {"endpoint": "chat", "concurrency": 1, "requests": 4, "output_tokens": 4}
+    r = _bench(words, dataset=_system_dataset(tmp_path, system_words, 5, True), **settings)
+    bare = _bench(words, dataset=_system_dataset(tmp_path, system_words, 5, False), **settings)
+    _check_sums(r)
+    first = _first(r, "ttft")
+    assert first["cause"] == "prompt_assembly", _section(r, "ttft")
+    assert first["numbers"]["dominant"] == "system"
+    # the system prompt's prefill: the same questions' prefill with it less without it
+    with_system = _mean(x["server_timings"]["prefill_ms"] for x in _records(r))
+    without = _mean(x["server_timings"]["prefill_ms"] for x in _records(bare))
+    assert _close(first["ms"], with_system - without)
+    assert "system prompt is" in first["title"]
+
+
+@pytest.fixture(scope="module")
+def bytes_server(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bytes")
+    with _serve(_random_model(_byte_tokenizer(path), path), path) as srv:
+        yield srv
+
+
+CHINESE = "今天天气很好，我们一起去公园散步吧。人工智能正在改变世界的许多方面。"
+
+
+@pytest.mark.parametrize("repeats", [10, 30])
+def test_a_byte_level_vocabulary_on_chinese_makes_the_tokenizer_the_first_cause(
+        bytes_server, tmp_path, repeats):
+    file = tmp_path / "zh.jsonl"
+    file.write_text("\n".join(json.dumps({"messages": [
+        {"role": "user", "content": f"{i} " + CHINESE * repeats}], "max_tokens": 4})
+        for i in range(5)))
+    r = _bench(bytes_server, endpoint="chat", concurrency=1, requests=4, dataset=str(file),
+               output_tokens=4)
+    _check_sums(r)
+    first = _first(r, "ttft")
+    assert first["cause"] == "tokenizer", _section(r, "ttft")
+    text = f"0 {CHINESE * repeats}"
+    assert _close(first["numbers"]["tokens_per_char"], len(text.encode()) / len(text))
+    assert first["numbers"]["ratio"] >= 1.5
+    english = r["text_cost"]["english_tokens_per_char"]
+    assert english == pytest.approx(1.0, abs=0.01)  # a byte a token: English's letters too
+
+
+class LateReader(BenchClient):
+    """A client that lets the response wait `delay_s` before it reads it."""
+
+    delay_s = 0.0
+
+    async def _read_events(self, response, trace):
+        await asyncio.sleep(self.delay_s)
+        await super()._read_events(response, trace)
+
+
+@pytest.mark.parametrize("delay_ms", [150, 400])
+def test_a_client_that_reads_late_makes_client_and_network_the_first_cause(words, delay_ms):
+    reader = type("Late", (LateReader,), {"delay_s": delay_ms / 1e3})
+    r = _bench(words, client_type=reader, concurrency=1, requests=3, input_tokens=32,
+               output_tokens=4)
+    first = _first(r, "ttft")
+    assert first["cause"] == "client_network", _section(r, "ttft")
+    assert _close(first["ms"], delay_ms)
+
+
+# --- output -----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def alone(words):
+    """One user with a short context: the control run for the output's causes."""
+    r = _bench(words, concurrency=1, requests=4, input_tokens=16, output_tokens=48)
+    _check_sums(r)
+    assert _first(r, "output")["cause"] == "decode"
+    return r
+
+
+@pytest.mark.parametrize("users", [8, 16])
+def test_many_users_make_the_batch_the_first_cause_of_tpot(words, alone, users):
+    r = _bench(words, concurrency=users, requests=2 * users, input_tokens=16, output_tokens=48)
+    _check_sums(r)
+    first = _first(r, "output")
+    assert first["cause"] == "batch", _section(r, "output")
+    extra = r["summary"]["tpot_ms"]["mean"] - alone["summary"]["tpot_ms"]["mean"]
+    assert _close(first["ms"], extra)
+    assert first["numbers"]["rows_mean"] > users / 2
+
+
+def _context_dataset(path, longest: int) -> str:
+    """Prompts that are prefixes of one another: each reuses the last's KV from the prefix
+    cache, so the prefill stays short while the context the decodes attend over grows."""
+    ids = [(7 * j) % 90 + 2 for j in range(longest)]
+    lengths = [longest * k // 5 for k in range(1, 6)]
+    file = path / f"ctx_{longest}.jsonl"
+    file.write_text("\n".join(json.dumps({"prompt": ids[:n], "max_tokens": 48})
+                              for n in lengths))
+    return str(file)
+
+
+@pytest.mark.parametrize("longest", [3000, 6000])
+def test_a_long_context_makes_kv_context_the_first_cause_of_tpot(words, alone, tmp_path,
+                                                                  longest):
+    r = _bench(words, concurrency=1, requests=5, warmup=0,
+               dataset=_context_dataset(tmp_path, longest))
+    _check_sums(r)
+    first = _first(r, "output")
+    assert first["cause"] == "kv_context", _section(r, "output")
+    extra = r["summary"]["tpot_ms"]["mean"] - alone["summary"]["tpot_ms"]["mean"]
+    assert _close(first["ms"], extra)
+    assert "TPOT grows with the context" in first["title"]
+
+
+class SlowReader(BenchClient):
+    """A client that takes `pause_s` over each event before it reads the next."""
+
+    pause_s = 0.0
+
+    async def _read_events(self, response, trace):
+        async for line in response.aiter_lines():
+            if not line.startswith("data:"):
+                continue
+            await asyncio.sleep(self.pause_s)
+            data = line[5:].strip()
+            if data == "[DONE]":
+                break
+            absorb(json.loads(data), time.perf_counter(), trace)
+        trace.done = time.perf_counter()
+
+
+@pytest.mark.parametrize("pause_ms", [20, 50])
+def test_a_client_that_reads_slowly_makes_stream_delivery_the_first_cause_of_tpot(
+        words, alone, pause_ms):
+    reader = type("Slow", (SlowReader,), {"pause_s": pause_ms / 1e3})
+    r = _bench(words, client_type=reader, concurrency=1, requests=3, input_tokens=16,
+               output_tokens=32)
+    first = _first(r, "output")
+    assert first["cause"] == "client_network", _section(r, "output")
+    server_pace = _mean(x["timings_raw"]["decode_ms"] / (x["output_tokens"] - 1)
+                        for x in _records(r))
+    assert _close(first["ms"], pause_ms - server_pace)
+
+
+# --- reasoning --------------------------------------------------------------------------------
+
+ASSISTANT, EOS, THINK, END = "<|assistant|>", "</s>", "<think>", "</think>"
+ANSWER = ["Sunny", " today", " in", " Paris", "."]
+
+
+def _thinking_model(path, steps: int) -> LoadedModel:
+    """A Llama whose layers add nothing and whose head maps each token to its successor in a
+    chain: <think>, `steps` thoughts, </think>, the answer, EOS (greedy decoding walks it)."""
+    thoughts = [f" thought{i}" for i in range(steps)]
+    chain = [THINK, *thoughts, END, *ANSWER, EOS]
+    backend = Backend(models.WordLevel({"[UNK]": 0, "weather": 1, "in": 2, "Paris": 3},
+                                       unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.Fuse()
+    backend.add_tokens([AddedToken(p, special=False, normalized=False)
+                        for p in [ASSISTANT, *chain[:-1]]])
+    backend.add_special_tokens([EOS])
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
+    tokenizer = HFTokenizer(path)
+    vocab, hidden = tokenizer.vocab_size, 128
+    cfg = ModelConfig(architecture="llama", vocab_size=vocab, hidden_size=hidden, num_layers=1,
+                      num_heads=4, num_kv_heads=1, head_dim=32, intermediate_size=64,
+                      max_position=512, name="thinker")
+    model = build_model(cfg)
+    tensors = {name: (torch.ones if name.endswith("norm.weight") else torch.zeros)(p.shape)
+               for name, p in model.named_parameters()}
+    tensors["embed_tokens.weight"] = torch.eye(vocab, hidden)
+    ids = tokenizer._tk.token_to_id
+    for a, b in zip([ASSISTANT, *chain], chain):
+        tensors["lm_head.weight"][ids(b), ids(a)] = 10.0
+    load_weights(model, tensors.items())
+    return LoadedModel(model.eval(), cfg, tokenizer, str(path), "f32")
+
+
+@pytest.mark.parametrize("steps", [12, 40])
+def test_thinking_before_the_answer_is_the_first_cause_of_ttfat(tmp_path, steps):
+    loaded = _thinking_model(tmp_path, steps)
+    (tmp_path / "template.jinja").write_text(TEMPLATE + f"{{% if add_generation_prompt %}}"
+                                             f"{ASSISTANT}{{% endif %}}")
+    config = ServerConfig(served_model_name="tiny", chat_template=tmp_path / "template.jinja",
+                          reasoning_parser="think", engine=EngineConfig(num_kv_blocks=64))
+    file = tmp_path / "q.jsonl"
+    file.write_text(json.dumps({"messages": [{"role": "user", "content": "weather in Paris"}],
+                                "max_tokens": steps + 16}))
+    with ServerThread(loaded, config) as srv:
+        r = _bench(srv, endpoint="chat", concurrency=1, requests=3, dataset=str(file),
+                   pin_output=False)
+    answer = r["summary"]["diagnoses"]["answer"]
+    first = answer["findings"][0]
+    assert first["cause"] == "reasoning", answer
+    server = _mean(x["timings_raw"]["ttfat_ms"] - x["timings_raw"]["ttft_ms"]
+                   for x in _records(r))
+    assert _close(first["ms"], server)
+    assert first["numbers"]["reasoning_tokens"] == pytest.approx(steps + 2, abs=2)
+    assert sum(f["ms"] for f in answer["findings"]) == pytest.approx(answer["ttfat_ms_mean"])
+
+
+# --- engine vs model --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("users", [3, 6])
+def test_compare_puts_the_difference_between_two_servers_in_the_stage_that_differs(
+        words, two_seqs, users):
+    settings = {"concurrency": users, "requests": 2 * users, "input_tokens": 16,
+                "output_tokens": 24}
+    a, b = _bench(words, **settings), _bench(two_seqs, **settings)
+    a["_label"], b["_label"] = "roomy", "two_seqs"
+    att = attribute(a, b)
+    top = att["ttft"]["rows"][0]
+    assert top["cause"] == "queue" and att["ttft"]["finding"]["cause"] == "engine_vs_model"
+    client_delta = b["summary"]["ttft_ms"]["mean"] - a["summary"]["ttft_ms"]["mean"]
+    assert _close(top["delta_ms"], client_delta, 0.15 if users == 3 else TOLERANCE)
+    assert sum(row["delta_ms"] for row in att["ttft"]["rows"]) == pytest.approx(
+        att["ttft"]["delta_ms"])
+    assert "queue" in att["ttft"]["finding"]["title"]
+
+
+def test_the_step_log_needs_the_admin_key_when_api_keys_guard_the_server(tmp_path):
+    path = tmp_path
+    loaded = _random_model(_word_tokenizer(path), path, hidden=32, layers=1, kv_heads=1)
+    config = ServerConfig(served_model_name="tiny", api_keys=["user-key"],
+                          admin_key="admin-key", engine=EngineConfig(num_kv_blocks=64))
+    with ServerThread(loaded, config) as srv:
+        common = {"concurrency": 1, "requests": 2, "input_tokens": 8, "output_tokens": 4,
+                  "api_key": "user-key"}
+        without = _bench(srv, **common)
+        with_key = _bench(srv, admin_key="admin-key", **common)
+        assert httpx.get(srv.base_url + "/debug/steps",
+                         headers={"Authorization": "Bearer user-key"}).status_code == 403
+    assert any("admin key" in m for m in without["summary"]["diagnoses"]["missing"])
+    assert not any("no step log" in m for m in with_key["summary"]["diagnoses"]["missing"])
+    assert with_key["step_log"]["steps"] > 0
+
+
+@pytest.mark.parametrize("users", [8, 16])
+def test_a_plan_is_diagnosed_from_its_engine_and_says_what_it_lacks(users):
+    from lifeline.model.presets import preset_config
+    from lifeline.plan.cost import CostModel
+    from lifeline.plan.hardware import get_hardware
+    from lifeline.plan.run import run_plan
+    from lifeline.plan.sim import Deployment
+
+    hardware = get_hardware("l40s")
+    deployment = Deployment(CostModel(preset_config("llama-3.1-8b"), hardware), max_num_seqs=4)
+    r = run_plan(BenchSettings(url=f"plan://{hardware.id}", model="m", concurrency=users,
+                               requests=3 * users, input_tokens=256, output_tokens=32),
+                 deployment)
+    _check_sums(r)
+    first = _first(r, "ttft")
+    assert first["cause"] == "queue" and first["numbers"]["limit"] == "max_num_seqs"
+    assert _close(first["ms"], _mean(x["timings_raw"]["queue_ms"] for x in _records(r)))
+    assert any(m.startswith("a plan:") for m in r["summary"]["diagnoses"]["missing"])
+    assert r["step_log"]["fit"]["r2"] > 0.99  # the planner's step times are its cost model

@@ -1,0 +1,373 @@
+"""The debug endpoints and the dashboard stream of a real server on loopback (a tiny random-weight
+Llama behind a word-level tokenizer): the step log names requests by the ids their responses
+carry and agrees with their timings; finished and in-flight requests are listed by stage; the
+event stream carries a request sent while it is open and leaves no task behind when its client
+goes; with keys configured only the admin key opens these paths; no prompt or output text is
+ever shown; bad parameters get OpenAI-format 400s."""
+import asyncio
+import concurrent.futures
+import importlib.util
+import json
+import threading
+
+import httpx
+import openai
+import pytest
+from tokenizers import Tokenizer as Backend
+from tokenizers import decoders, models, pre_tokenizers
+
+from lifeline.bench.workloads import WORDS
+from lifeline.engine.engine import EngineConfig
+from lifeline.model.config import ModelConfig
+from lifeline.model.loader import LoadedModel, build_model, init_dummy_weights
+from lifeline.server.config import ServerConfig
+from lifeline.server.debug import DASHBOARD_DIR
+from lifeline.server.testing import ServerThread
+from lifeline.tokenizer import HFTokenizer
+
+SECRET = "zyzzyva"
+"""A word only the test's prompts hold: it must never appear in a debug answer."""
+BUDGET = 16
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    path = tmp_path_factory.mktemp("words")
+    words = [SECRET, *dict.fromkeys(WORDS)]
+    vocab = {"[UNK]": 0, "</s>": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    backend = Backend(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.decoder = decoders.WordPiece()
+    backend.save(str(path / "tokenizer.json"))
+    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
+    tokenizer = HFTokenizer(path)
+    cfg = ModelConfig(architecture="llama", vocab_size=tokenizer.vocab_size, hidden_size=32,
+                      num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
+                      intermediate_size=64, max_position=512)
+    model = build_model(cfg)
+    init_dummy_weights(model)
+    return LoadedModel(model.eval(), cfg, tokenizer, str(path), "dummy")
+
+
+def _config(**kwargs) -> ServerConfig:
+    engine = kwargs.pop("engine", EngineConfig(  # no prefix cache: every prompt is computed
+        num_kv_blocks=256, max_num_batched_tokens=BUDGET, block_size=4,
+        enable_prefix_caching=False))
+    return ServerConfig(served_model_name="tiny", engine=engine, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def server(loaded):
+    with ServerThread(loaded, _config()) as srv:
+        yield srv
+
+
+def _prompt(words: int) -> str:
+    return " ".join([SECRET, *WORDS[:words - 1]])
+
+
+def _complete(client: openai.OpenAI, prompt: str, max_tokens: int = 5, **extra):
+    return client.completions.create(model="tiny", prompt=prompt, max_tokens=max_tokens,
+                                     temperature=0, extra_body={"ignore_eos": True, **extra})
+
+
+def _timings(out) -> dict:
+    return out.model_extra["timings"]
+
+
+def _no_text(body: str, *texts: str) -> None:
+    assert SECRET not in body
+    for text in texts:
+        assert text.strip() not in body
+
+
+def test_the_step_log_names_the_response_and_agrees_with_its_timings(client, http):
+    out = _complete(client, _prompt(40), max_tokens=6)
+    timings = _timings(out)
+    assert timings["prompt_tokens"] == 40
+    body = http.get("/debug/steps", params={"limit": 4096})
+    assert body.status_code == 200
+    page = body.json()
+    assert page["object"] == "list" and page["dropped"] == 0
+    assert page["config"]["max_num_batched_tokens"] == BUDGET
+    assert page["next"] == page["data"][-1]["step"] == page["latest"]
+    rows = [(rec, row) for rec in page["data"] for row in rec["requests"] if row["id"] == out.id]
+    prefill = [(rec["step"], row["tokens"], row["context"]) for rec, row in rows
+               if row["kind"] == "prefill"]
+    assert [p[1] for p in prefill] == [16, 16, 8]
+    assert [r[:3] for r in timings["steps"]["prefill"]] == [list(p) for p in prefill]
+    assert timings["prefill_chunks"] == 3
+    decodes = [row["context"] for _, row in rows if row["kind"] == "decode"]
+    assert decodes == [41, 42, 43, 44, 45]
+    steps = timings["steps"]
+    assert steps["decode_steps"] == 5
+    assert steps["decode_context"] == {"first": 41, "last": 45}
+    assert timings["kv_bytes_read_per_token"] == pytest.approx(
+        sum(rec["kv_bytes_read"] for rec, row in rows if row["kind"] == "decode") / 5)
+    assert timings["queue"]["max_num_seqs"] == 64 and timings["recomputed_tokens"] == 0
+    assert timings["reasoning_tokens"] == 0
+    _no_text(body.text, out.choices[0].text)
+    later = http.get("/debug/steps", params={"since": page["next"]}).json()
+    assert later["data"] == [] and later["next"] == page["next"]
+
+
+def test_each_choice_of_a_response_is_named_in_the_step_log(client, http):
+    since = http.get("/debug/steps", params={"limit": 1}).json()["latest"]
+    out = client.completions.create(model="tiny", prompt=_prompt(6), max_tokens=3, n=2,
+                                    temperature=1, seed=1, extra_body={"ignore_eos": True})
+    data = http.get("/debug/steps", params={"since": since}).json()["data"]
+    rows = [row for rec in data for row in rec["requests"] if row["id"] == out.id]
+    assert {row["choice"] for row in rows} == {0, 1}
+    assert sum(row["kind"] == "decode" for row in rows) == 2 * 2
+
+
+def test_finished_requests_are_listed_with_their_timings_newest_first(client, http):
+    first, second = (_complete(client, _prompt(8), max_tokens=2) for _ in range(2))
+    listed = http.get("/debug/requests").json()
+    assert listed["object"] == "list"
+    finished = [row for row in listed["data"] if row["state"] == "finished"]
+    ids = [row["id"] for row in finished]
+    assert ids.index(second.id) < ids.index(first.id)
+    row = http.get(f"/debug/requests/{second.id}").json()
+    assert row["timings"] == _timings(second)
+    assert row["model"] == "tiny" and row["status"] == 200 and row["finish_reason"] == "length"
+    assert [r["id"] for r in http.get("/debug/requests", params={"limit": 1}).json()["data"]
+            if r["state"] == "finished"] == [second.id]
+    _no_text(json.dumps(listed), first.choices[0].text, second.choices[0].text)
+    missing = http.get("/debug/requests/cmpl-nope")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "request_not_found"
+
+
+class Gate:
+    """Holds the engine thread before the first step that `when` picks, until `release`: the
+    requests in flight then stay where they are while the test looks at them."""
+
+    def __init__(self, engine, when):
+        self.executor, self.inner, self.when = engine.executor, engine.executor.execute, when
+        self.reached, self.opened = threading.Event(), threading.Event()
+
+    def __enter__(self):
+        self.executor.execute = self
+        return self
+
+    def __call__(self, out):
+        if not self.opened.is_set() and self.when(out):
+            self.reached.set()
+            self.opened.wait(60)
+        return self.inner(out)
+
+    def release(self) -> None:
+        self.opened.set()
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+        del self.executor.execute
+
+
+def _in_flight(http) -> dict:
+    return {r["id"]: r for r in http.get("/debug/requests").json()["data"]
+            if r["state"] != "finished"}
+
+
+def test_requests_in_flight_are_listed_by_their_stage(server, http):
+    def in_decode(out):
+        return any(s.request.num_output_tokens for s in out.scheduled)
+
+    with Gate(server.engine, in_decode) as gate, _stream_completion(server, 50) as response:
+        assert gate.reached.wait(60)
+        events = _events(response)  # one iterator: a dropped one would close the stream
+        first = next(events)
+        row = http.get(f"/debug/requests/{first['id']}").json()
+        assert (row["state"], row["completion_tokens"], row["prompt_tokens"]) == ("decode", 1, 8)
+        assert row["ttft_ms"] > 0 and row["elapsed_ms"] >= row["ttft_ms"]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            queued = pool.submit(httpx.post, server.base_url + "/v1/completions", timeout=120,
+                                 json={"model": "tiny", "prompt": _prompt(4), "max_tokens": 1})
+            _wait_until(lambda: len(_in_flight(http)) == 2)
+            rows = _in_flight(http)
+            assert rows[first["id"]]["state"] == "decode"
+            [other] = [r for i, r in rows.items() if i != first["id"]]
+            assert (other["state"], other["completion_tokens"]) == ("queued", 0)
+            diagnosis = http.get(f"/debug/requests/{first['id']}/diagnosis")
+            assert diagnosis.status_code in (409, 501)
+            gate.release()
+            assert queued.result(60).status_code == 200
+        assert len(list(events)) > 1
+    assert _in_flight(http) == {}
+
+
+def test_a_prompt_being_computed_is_listed_in_prefill(server, http):
+    def second_chunk(out):
+        return any(s.start == BUDGET and not s.request.num_output_tokens
+                   for s in out.scheduled)
+
+    with Gate(server.engine, second_chunk) as gate, \
+            concurrent.futures.ThreadPoolExecutor(1) as pool:
+        done = pool.submit(httpx.post, server.base_url + "/v1/completions", timeout=120,
+                           json={"model": "tiny", "prompt": _prompt(40), "max_tokens": 1})
+        assert gate.reached.wait(60)
+        [row] = _in_flight(http).values()
+        assert (row["state"], row["computed_tokens"], row["prompt_tokens"]) == (
+            "prefill", BUDGET, 40)
+        gate.release()
+        assert done.result(60).status_code == 200
+
+
+def _stream_completion(server, max_tokens: int):
+    body = {"model": "tiny", "prompt": _prompt(8), "max_tokens": max_tokens, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    return httpx.stream("POST", server.base_url + "/v1/completions", json=body, timeout=120)
+
+
+@pytest.mark.parametrize(("path", "params", "param"), [
+    ("/debug/steps", {"limit": 0}, "limit"), ("/debug/steps", {"limit": 4097}, "limit"),
+    ("/debug/steps", {"since": -1}, "since"), ("/debug/steps", {"since": "x"}, "since"),
+    ("/debug/requests", {"limit": "1.5"}, "limit"), ("/debug/requests", {"limit": 513}, "limit")])
+def test_bad_parameters_get_an_openai_error(http, path, params, param):
+    response = http.get(path, params=params)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error"
+
+
+def test_the_diagnosis_route_answers_with_the_diagnosis_or_says_there_is_none(client, http):
+    out = _complete(client, _prompt(10), max_tokens=3)
+    response = http.get(f"/debug/requests/{out.id}/diagnosis")
+    if importlib.util.find_spec("lifeline.bench.diagnose") is None:
+        assert response.status_code == 501
+        assert response.json()["error"]["code"] == "diagnosis_unavailable"
+    else:
+        assert response.status_code == 200, response.text
+
+
+def test_the_dashboard_page_is_served_when_installed(http):
+    response = http.get("/dashboard")
+    page = DASHBOARD_DIR / "index.html"
+    if page.is_file():
+        assert response.status_code == 200 and response.text == page.read_text()
+        assert response.headers["content-type"].startswith("text/html")
+    else:
+        assert response.status_code == 404
+        assert response.json()["error"]["code"] == "dashboard_not_installed"
+    assert http.get("/dashboard/static/..%2Fdebug.py").status_code == 404
+    assert http.get("/dashboard/static/nothing.js").status_code == 404
+
+
+def _events(response: httpx.Response):
+    for line in response.iter_lines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            yield json.loads(line[6:])
+
+
+def _loop_tasks(server) -> int:
+    loop = server.server._loop
+
+    async def count() -> int:
+        return len(asyncio.all_tasks())
+
+    return asyncio.run_coroutine_threadsafe(count(), loop).result(10)
+
+
+def test_the_event_stream_carries_a_request_sent_while_it_is_open(server, client, http):
+    tasks, threads = _loop_tasks(server), _threads()
+    with httpx.stream("GET", server.base_url + "/dashboard/events", timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        events = _events(response)
+        opening = next(events)
+        assert set(opening) >= {"now", "engine", "steps", "requests", "histograms"}
+        assert opening["engine"]["kv_blocks_total"] == 256
+        assert len(server.state.viewers) == 1
+        out = _complete(client, _prompt(12), max_tokens=4)
+        seen_steps, seen_finished, received = set(), None, []
+        for _, event in zip(range(120), events):
+            received.append(json.dumps(event))
+            seen_steps |= {row["id"] for rec in event["steps"] for row in rec["requests"]}
+            seen_finished = next((r for r in event["requests"] if r["id"] == out.id
+                                  and r["state"] == "finished"), None)
+            if seen_finished and out.id in seen_steps:
+                break
+        assert seen_finished is not None and out.id in seen_steps
+        assert seen_finished["timings"] == _timings(out)
+        histograms = event["histograms"]
+        assert sum(count for _, count in histograms["ttft_ms"]) >= 1
+        assert histograms["ttft_ms"][-1][0] is None
+        _no_text("".join(received), out.choices[0].text)
+    _wait_until(lambda: not server.state.viewers)
+    _wait_until(lambda: _loop_tasks(server) <= tasks)
+    assert _threads() <= threads
+
+
+def _threads() -> int:
+    """Threads but the server's idle workers (anyio keeps them a while after any use)."""
+    return sum(not t.name.startswith("AnyIO worker") for t in threading.enumerate())
+
+
+def _wait_until(condition, tries: int = 200) -> None:
+    """Poll (a condition, not a duration: no figure is asserted)."""
+    import time
+
+    for _ in range(tries):
+        if condition():
+            return
+        time.sleep(0.05)
+    assert condition()
+
+
+def test_with_api_keys_only_the_admin_key_opens_the_debug_paths(loaded):
+    config = _config(api_keys=["tenant"], admin_key="boss")
+    with ServerThread(loaded, config) as srv:
+        base = srv.base_url
+        tenant, boss = ({"Authorization": f"Bearer {k}"} for k in ("tenant", "boss"))
+        for page in ("/dashboard", "/dashboard/static/dashboard.js"):
+            assert httpx.get(base + page, timeout=30).status_code == 200, "code, no data: open"
+        for path in ("/debug/steps", "/debug/requests", "/dashboard/events",
+                     "/debug/requests/x/diagnosis"):
+            for headers in ({}, tenant, {"Authorization": "Bearer wrong"}):
+                response = httpx.get(base + path, headers=headers, timeout=30)
+                assert response.status_code == 403, (path, headers)
+                assert response.json()["error"]["code"] == "admin_key_required"
+        assert httpx.get(base + "/debug/steps", headers=boss, timeout=30).status_code == 200
+        page = httpx.get(base + "/dashboard", timeout=30)  # the page holds no data
+        assert page.status_code == (200 if (DASHBOARD_DIR / "index.html").is_file() else 404)
+        query = httpx.get(base + "/debug/requests", params={"admin_key": "boss"}, timeout=30)
+        assert query.status_code == 200
+        with httpx.stream("GET", base + "/dashboard/events", params={"admin_key": "boss"},
+                          timeout=30) as response:
+            assert response.status_code == 200 and "engine" in next(_events(response))
+        assert httpx.post(base + "/v1/completions", headers=boss, timeout=30, json={
+            "model": "tiny", "prompt": "a", "max_tokens": 1}).status_code == 401
+
+
+def test_with_api_keys_and_no_admin_key_the_debug_paths_are_closed(loaded):
+    config = _config(api_keys=["tenant"],
+                     engine=EngineConfig(num_kv_blocks=64, step_log_size=0))
+    with ServerThread(loaded, config) as srv:
+        response = httpx.get(srv.base_url + "/debug/requests", timeout=30,
+                             headers={"Authorization": "Bearer tenant"})
+        assert response.status_code == 403
+        assert "no admin key" in response.json()["error"]["message"]
+
+
+def test_an_admin_key_alone_protects_the_debug_paths_and_a_log_off_says_so(loaded):
+    config = _config(admin_key="boss", engine=EngineConfig(num_kv_blocks=64, step_log_size=0))
+    with ServerThread(loaded, config) as srv:
+        base = srv.base_url
+        assert httpx.get(base + "/debug/steps", timeout=30).status_code == 403
+        off = httpx.get(base + "/debug/steps", headers={"Authorization": "Bearer boss"},
+                        timeout=30)
+        assert off.status_code == 404 and off.json()["error"]["code"] == "step_log_disabled"
+        done = httpx.post(base + "/v1/completions", timeout=60, json={
+            "model": "tiny", "prompt": _prompt(5), "max_tokens": 2}).json()
+        assert done["timings"]["steps"]["prefill"][0][1] == 5
+
+
+def test_the_command_line_sets_the_admin_key_and_the_step_log_size():
+    from lifeline.cli import build_parser, serve_config
+
+    config = serve_config(build_parser().parse_args(
+        ["serve", "--admin-key", "boss", "--step-log-size", "0", "--api-key", "t"]))
+    assert config.admin_key == "boss" and config.engine.step_log_size == 0
+    default = serve_config(build_parser().parse_args(["serve"]))
+    assert default.admin_key is None and default.engine.step_log_size == 4096
+    with pytest.raises(ValueError):
+        EngineConfig(step_log_size=-1)
