@@ -30,7 +30,7 @@ class StandInEngine:
         self.stepped = threading.Event()
 
     def add_request(self, prompt, params, request_id, arrival, *, cache_salt=None, deadline=None,
-                    fault=None):
+                    fault=None, client_id=None, choice_index=None):
         if not prompt:
             raise ValueError("the prompt is empty")
         req = Request(request_id, list(prompt), params)
