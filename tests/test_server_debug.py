@@ -6,6 +6,7 @@ goes; with keys configured only the admin key opens these paths; no prompt or ou
 ever shown; bad parameters get OpenAI-format 400s."""
 import asyncio
 import concurrent.futures
+import contextlib
 import importlib.util
 import json
 import threading
@@ -371,3 +372,152 @@ def test_the_command_line_sets_the_admin_key_and_the_step_log_size():
     assert default.admin_key is None and default.engine.step_log_size == 4096
     with pytest.raises(ValueError):
         EngineConfig(step_log_size=-1)
+
+
+def test_a_dashboard_that_takes_no_events_is_dropped_and_others_go_on(server, client, http,
+                                                                       monkeypatch, caplog):
+    """A client that opens the stream and never reads: once the socket's buffers are full the
+    server's send blocks, and after SEND_TIMEOUT_S the stream ends (events come every
+    millisecond here so the buffers fill at once; the timeout is cut to one second)."""
+    import socket
+
+    from lifeline.server import debug
+
+    monkeypatch.setattr(debug, "EVENT_INTERVAL_S", 0.001)
+    monkeypatch.setattr(debug, "SEND_TIMEOUT_S", 1.0)
+    tasks = _loop_tasks(server)
+    stalled = socket.socket()
+    stalled.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    stalled.connect(("127.0.0.1", server.config.port))
+    stalled.sendall(b"GET /dashboard/events HTTP/1.1\r\nHost: x\r\n\r\n")
+    try:
+        _wait_until(lambda: len(server.state.viewers) == 1)
+        with caplog.at_level("WARNING", logger="lifeline.server"):
+            _wait_until(lambda: not server.state.viewers, tries=600)  # 30 s at most
+        assert any("dropped" in r.getMessage() for r in caplog.records)
+        out = _complete(client, _prompt(8), max_tokens=3)  # the server goes on
+        assert out.choices[0].finish_reason == "length"
+        with httpx.stream("GET", server.base_url + "/dashboard/events",
+                          timeout=30) as response:
+            assert response.status_code == 200 and "engine" in next(_events(response))
+    finally:
+        stalled.close()
+    _wait_until(lambda: not server.state.viewers)
+    _wait_until(lambda: _loop_tasks(server) <= tasks)
+
+
+def test_more_dashboards_than_the_limit_get_503_with_retry_after(server):
+    from lifeline.server.debug import MAX_VIEWERS
+
+    with contextlib.ExitStack() as stack:
+        streams = []  # kept: a closed event generator closes its connection
+        for _ in range(MAX_VIEWERS):
+            streams.append(_events(stack.enter_context(httpx.stream(
+                "GET", server.base_url + "/dashboard/events", timeout=30))))
+            next(streams[-1])
+        assert len(server.state.viewers) == MAX_VIEWERS
+        extra = httpx.get(server.base_url + "/dashboard/events", timeout=30)
+        assert extra.status_code == 503 and extra.headers["retry-after"]
+        assert extra.json()["error"]["code"] == "too_many_viewers"
+    _wait_until(lambda: not server.state.viewers)
+
+
+GATEWAY = """
+[server]
+api_keys = ["tenant"]
+admin_key = "boss"
+default_model = "tiny-a"
+
+[backends.a]
+model = "tiny-a"
+[backends.a.engine]
+num_kv_blocks = 128
+block_size = 4
+
+[backends.b]
+model = "tiny-b"
+[backends.b.engine]
+num_kv_blocks = 128
+block_size = 4
+
+[backends.far]
+base_url = "http://127.0.0.1:9"
+
+[models.tiny-a]
+backends = ["a"]
+[models.tiny-b]
+backends = ["b"]
+[models.far]
+backends = ["far"]
+"""
+
+
+@pytest.fixture(scope="module")
+def gateway(loaded):
+    from lifeline.gateway.config import parse_config
+    from lifeline.gateway.testing import GatewayThread
+
+    with GatewayThread(parse_config(GATEWAY, ".toml"), {"a": loaded, "b": loaded}) as gw:
+        yield gw
+
+
+def test_the_gateway_serves_each_local_backends_debug_paths_to_the_admin_key(gateway):
+    base = gateway.base_url
+    boss = httpx.Client(base_url=base, timeout=60, headers={"Authorization": "Bearer boss"})
+    tenant = openai.OpenAI(base_url=base + "/v1", api_key="tenant")
+    out = tenant.completions.create(model="tiny-b", prompt=_prompt(9), max_tokens=3,
+                                    temperature=0, extra_body={"ignore_eos": True})
+    for path in ("/debug/steps", "/debug/requests", "/debug/backends", "/dashboard/events",
+                 f"/debug/requests/{out.id}"):
+        response = httpx.get(base + path, headers={"Authorization": "Bearer tenant"}, timeout=30)
+        assert response.status_code == 403, path
+    assert httpx.get(base + "/dashboard", timeout=30).status_code in (200, 404)
+
+    def ids(params: dict) -> set:
+        data = boss.get("/debug/steps", params={"limit": 4096, **params}).json()["data"]
+        return {row["id"] for rec in data for row in rec["requests"]}
+
+    assert out.id in ids({"model": "tiny-b"}) and out.id in ids({"backend": "b"})
+    assert out.id not in ids({}), "the default is the default model's backend, a"
+    assert out.id not in ids({"backend": "a"})
+    row = boss.get(f"/debug/requests/{out.id}")  # found in whichever backend holds it
+    assert row.status_code == 200 and row.json()["timings"]["prompt_tokens"] == 9
+    if importlib.util.find_spec("lifeline.bench.diagnose") is not None:
+        assert boss.get(f"/debug/requests/{out.id}/diagnosis").status_code == 200
+    listed = boss.get("/debug/requests", params={"backend": "b"})
+    assert out.id in {r["id"] for r in listed.json()["data"]}
+    _no_text(listed.text + row.text, out.choices[0].text)
+    backends = {b["name"]: b for b in boss.get("/debug/backends").json()["data"]}
+    assert {n: (b["local"], b["default"], b["routes"]) for n, b in backends.items()} == {
+        "a": (True, True, ["tiny-a"]), "b": (True, False, ["tiny-b"]),
+        "far": (False, False, ["far"])}
+    for params, status, code, param in (
+            ({"backend": "nope"}, 404, "backend_not_found", "backend"),
+            ({"backend": "far"}, 404, "backend_not_local", "backend"),
+            ({"model": "far"}, 404, "backend_not_local", "model"),
+            ({"model": "nope"}, 404, "model_not_found", "model"),
+            ({"backend": "b", "limit": "0"}, 400, "invalid_value", "limit")):
+        response = boss.get("/debug/steps", params=params)
+        assert response.status_code == status, (params, response.text)
+        error = response.json()["error"]
+        assert error["code"] == code and error["param"] == param, error
+    assert boss.get("/debug/requests/nope").status_code == 404
+
+
+def test_the_gateway_streams_a_backends_dashboard_events(gateway):
+    base = gateway.base_url
+    tenant = openai.OpenAI(base_url=base + "/v1", api_key="tenant")
+    with httpx.stream("GET", base + "/dashboard/events", timeout=60,
+                      params={"backend": "b", "admin_key": "boss"}) as response:
+        assert response.status_code == 200
+        events = _events(response)
+        assert next(events)["engine"]["kv_blocks_total"] == 128
+        out = tenant.completions.create(model="tiny-b", prompt=_prompt(7), max_tokens=2,
+                                        temperature=0, extra_body={"ignore_eos": True})
+        for _, event in zip(range(120), events):
+            if any(r["id"] == out.id and r["state"] == "finished" for r in event["requests"]):
+                break
+        else:
+            raise AssertionError("the request never reached the stream")
+    b = gateway.app.state.lifeline.local()["b"]
+    _wait_until(lambda: not b.viewers)

@@ -170,7 +170,8 @@ async def step_log(client: BenchClient, result: RunResult, since: float,
         kind = "the server" if not raws else "the server (not Lifeline)"
         return None, f"{kind} keeps no step log: the output's batch, context and " \
                      "prefill-interference causes are not split"
-    log, why = await fetch_steps(client.http, client.server_root, since, time.time(), admin_key)
+    log, why = await fetch_steps(client.http, client.server_root, since, time.time(), admin_key,
+                                 client.model)
     if log is None:
         return None, f"no step log: {why}"
     return log, None

@@ -70,16 +70,19 @@ class StepIndex:
 
 
 async def fetch_steps(http: httpx.AsyncClient, root: str, since_wall: float, until_wall: float,
-                      admin_key: str | None = None) -> tuple[dict[str, Any] | None, str | None]:
+                      admin_key: str | None = None, model: str | None = None
+                      ) -> tuple[dict[str, Any] | None, str | None]:
     """The step log of the window [since_wall, until_wall] (wall-clock seconds) from a Lifeline
-    server at `root` (the URL without /v1): `(log, None)`, or `(None, why not)`."""
+    server at `root` (the URL without /v1): `(log, None)`, or `(None, why not)`. `model`: the
+    model benchmarked, which picks the backend behind a gateway (a single server ignores it)."""
     headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
     records: list[dict[str, Any]] = []
     since, dropped, config = 0, 0, {}
     while True:
         try:
-            r = await http.get(f"{root}/debug/steps", params={"since": since, "limit": PAGE},
-                               headers=headers)
+            r = await http.get(f"{root}/debug/steps", params={
+                "since": since, "limit": PAGE, **({"model": model} if model else {})},
+                headers=headers)
         except httpx.HTTPError as exc:
             return None, f"its step log could not be read ({type(exc).__name__})"
         if r.status_code != 200:

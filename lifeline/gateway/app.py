@@ -20,8 +20,9 @@ from lifeline.gateway.config import GatewayConfig, RouteSpec
 from lifeline.gateway.health import HealthChecker
 from lifeline.gateway.relay import Relay
 from lifeline.gateway.router import Router
-from lifeline.gateway.state import GatewayState
+from lifeline.gateway.state import GatewayState, route_backends
 from lifeline.server.app import readiness
+from lifeline.server.debug import router as debug_router
 from lifeline.server.errors import APIError, install_handlers, parse_json
 from lifeline.server.limits import INLINE_JSON_COMMAS
 from lifeline.server.middleware import GatewayMiddleware
@@ -56,7 +57,9 @@ def create_gateway_app(config: GatewayConfig, preloaded: dict[str, Any] | None =
 
     app = FastAPI(title="Lifeline gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.lifeline = state
+    app.state.debug_target = state.debug_target
     install_handlers(app)
+    app.include_router(debug_router)
     _add_routes(app, state)
     app.add_middleware(GatewayMiddleware, state=state)
     return app
@@ -104,10 +107,31 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
     async def backends() -> dict[str, Any]:
         return {name: b.status() for name, b in state.backends.items()}
 
+    @app.get("/debug/backends")
+    async def debug_backends() -> dict[str, Any]:
+        """The backends `/debug/*` and the dashboard can read (`?backend=NAME`): those whose
+        engine runs in this process; the default is the first."""
+        local = state.local()
+        default = None
+        with contextlib.suppress(APIError):
+            default = state.debug_target(_NoQuery())
+        data = [{"name": name, "model": getattr(backend, "served_name", None)
+                 or backend.spec.model, "local": name in local,
+                 "default": default is not None and local.get(name) is default,
+                 "routes": [r.name for r in state.config.models.values()
+                            if name in route_backends(r)]}
+                for name, backend in state.backends.items()]
+        return {"object": "list", "data": data}
+
     @app.get("/gateway/decisions")
     async def decisions(limit: int = 50) -> dict[str, Any]:
         recent = list(state.router.recent)[-max(limit, 0):] if limit > 0 else []
         return {"object": "list", "data": recent}
+
+
+class _NoQuery:
+    """A request with no query parameters, for `debug_target`'s default choice."""
+    query_params: dict[str, str] = {}
 
 
 def _card(state: GatewayState, route: RouteSpec, name: str) -> dict[str, Any]:
@@ -154,8 +178,7 @@ def _token_handler(endpoint: str) -> Any:
         route = state.router.resolve(body.get("model"))
         state.limiter.admit_request(request.state.key)
         spec, tried = route.spec, []
-        for name in dict.fromkeys([b for p in spec.pools for b in p.backends]
-                                  + list(spec.fallbacks)):
+        for name in route_backends(spec):
             backend = state.backends[name]
             if not backend.acquire():
                 continue

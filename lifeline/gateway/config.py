@@ -144,6 +144,9 @@ class GatewayConfig:
     port: int | None = None
     api_keys: list[str] = field(default_factory=list)
     protect_metrics: bool = False
+    admin_key: str | None = None
+    """The key of `/debug/*` and `/dashboard/events` (the local backends' records): once API
+    keys are set, those paths answer to it alone."""
     rate_limit_rpm: int | None = None
     max_body_bytes: int = 8 << 20
     max_json_depth: int = 64
@@ -246,6 +249,9 @@ class _Builder:
         config.port = t.get("port", integer(0), None)
         config.api_keys = list(t.get("api_keys", names, ()))
         config.protect_metrics = t.get("protect_metrics", boolean, False)
+        config.admin_key = t.get("admin_key", text, None)
+        if config.admin_key == "":
+            raise t.fail("admin_key", "the admin key may not be empty")
         config.rate_limit_rpm = t.get("rate_limit_rpm", integer(1), None)
         config.max_body_bytes = t.get("max_body_bytes", size, 8 << 20)
         config.shutdown_timeout = t.get("shutdown_timeout_s", non_negative, 30.0)

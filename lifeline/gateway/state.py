@@ -4,6 +4,7 @@
 authenticates and limits bodies exactly as the single-model server does."""
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
@@ -12,12 +13,13 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from lifeline.gateway.backends import Backend
-from lifeline.gateway.config import GatewayConfig
+from lifeline.gateway.backends import Backend, LocalBackend
+from lifeline.gateway.config import GatewayConfig, RouteSpec
 from lifeline.gateway.health import HealthChecker
 from lifeline.gateway.metrics import GatewayMetrics
 from lifeline.gateway.router import Router
 from lifeline.observe import ServerStamps
+from lifeline.server.errors import APIError
 from lifeline.server.gateway import Admission, Authenticator, RateLimiter
 
 log = logging.getLogger("lifeline.gateway")
@@ -41,7 +43,8 @@ class GatewayState:
     on_fatal: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
-        self.auth = Authenticator(self.config.api_keys, self.config.protect_metrics)
+        self.auth = Authenticator(self.config.api_keys, self.config.protect_metrics,
+                                  self.config.admin_key)
         self.limiter = RateLimiter(self.config.rate_limit_rpm, None)
 
     def fail_backend(self, backend: Backend) -> None:
@@ -70,6 +73,48 @@ class GatewayState:
                     "+00:00", "Z"), "endpoint": endpoint, "status": status,
                 "timings": {"e2e_ms": ms}}, separators=(",", ":")))
 
+    def local(self) -> dict[str, Any]:
+        """The backends whose engine runs in this process -> their server state."""
+        return {name: b.state for name, b in self.backends.items() if isinstance(b, LocalBackend)}
+
+    def debug_target(self, request: Any, request_id: str | None = None) -> Any:
+        """The local backend a `/debug/*` or `/dashboard/events` request reads: the one
+        `?backend=` names, else the first local backend of the route `?model=` names, else
+        the one that holds `request_id`, else the default model's (or the first local one)."""
+        from lifeline.server.debug import holds
+
+        local = self.local()
+        query = request.query_params
+        if (name := query.get("backend")) is not None:
+            backend = self.backends.get(name)
+            if backend is None:
+                raise APIError(404, f"no backend named {name[:80]!r} (the backends: "
+                               f"{', '.join(self.backends)})", "backend", "backend_not_found")
+            if name not in local:
+                raise APIError(404, f"backend {name!r} runs outside this process; read its own "
+                               "/debug/* where it is served", "backend", "backend_not_local")
+            return local[name]
+        if not local:
+            raise APIError(404, "this gateway runs no engine in its own process: read each "
+                           "backend's own /debug/* where it is served", None,
+                           "no_local_backend")
+        if (model := query.get("model")) is not None:
+            route = self.router.resolve(model).spec
+            for name in route_backends(route):
+                if name in local:
+                    return local[name]
+            raise APIError(404, f"model {route.name!r} has no backend in this process", "model",
+                           "backend_not_local")
+        if request_id is not None:
+            for server in local.values():
+                if holds(server, request_id):
+                    return server
+        with contextlib.suppress(APIError):
+            for name in route_backends(self.router.resolve(None).spec):
+                if name in local:
+                    return local[name]
+        return next(iter(local.values()))
+
     def local_registries(self) -> list[Any]:
         """The Prometheus registries of the local engines, their gauges brought up to date."""
         out = []
@@ -81,3 +126,9 @@ class GatewayState:
                 server.metrics.update_stats(server.client.stats())
             out.append(server.metrics.registry)
         return out
+
+
+def route_backends(route: RouteSpec) -> list[str]:
+    """A route's backends in the order it tries them: its pools', then its fallbacks."""
+    return list(dict.fromkeys([b for p in route.pools for b in p.backends]
+                              + list(route.fallbacks)))

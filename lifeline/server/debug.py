@@ -58,8 +58,12 @@ def int_param(request: Request, name: str, default: int, low: int, high: int) ->
     return value
 
 
-def _state(request: Request) -> ServerState:
-    return request.app.state.lifeline
+def _state(request: Request, request_id: str | None = None) -> ServerState:
+    """The server whose records the request reads: the app's own, or, behind the gateway, the
+    local backend that `app.state.debug_target(request, request_id)` picks (by `?backend=`,
+    `?model=`, the request id, or the default model)."""
+    pick = getattr(request.app.state, "debug_target", None)
+    return pick(request, request_id) if pick is not None else request.app.state.lifeline
 
 
 def _step_log(state: ServerState) -> StepLog | None:
@@ -104,6 +108,12 @@ async def debug_requests(request: Request) -> dict[str, Any]:
             "data": running + [f.row for f in state.recent.newest(limit)]}
 
 
+def holds(state: ServerState, request_id: str) -> bool:
+    """Whether the server has the request in flight or among its recent finished ones."""
+    return state.recent.find(request_id) is not None or any(
+        gen.choices and gen.choices[0].parent == request_id for gen in state.generations)
+
+
 def _find(state: ServerState, request_id: str) -> dict[str, Any] | None:
     for gen in state.generations:
         if gen.choices and gen.choices[0].parent == request_id:
@@ -119,7 +129,7 @@ def _not_found(request_id: str) -> APIError:
 
 @router.get("/debug/requests/{request_id}")
 async def debug_request(request: Request, request_id: str) -> dict[str, Any]:
-    row = _find(_state(request), request_id)
+    row = _find(_state(request, request_id), request_id)
     if row is None:
         raise _not_found(request_id)
     return row
@@ -132,7 +142,7 @@ async def debug_diagnosis(request: Request, request_id: str) -> Any:
     except ImportError:
         raise APIError(501, "this build has no request diagnosis (lifeline.bench.diagnose)",
                        None, "diagnosis_unavailable") from None
-    state = _state(request)
+    state = _state(request, request_id)
     finished = state.recent.find(request_id)
     if finished is None:
         if _find(state, request_id) is not None:

@@ -10,7 +10,7 @@
   const SVG = "http://www.w3.org/2000/svg";
 
   const state = {
-    key: null, config: null, steps: [], stepIds: new Set(), lastStep: null,
+    key: null, backend: null, backends: null, config: null, steps: [], stepIds: new Set(), lastStep: null,
     rows: new Map(), series: [], histograms: null, skew: 0, events: 0,
     selected: null, detailSig: null, hoverStep: null, pinnedStep: null, diagnoses: new Map(),
   };
@@ -64,8 +64,14 @@
     return new ApiError(response.status, message, code);
   }
 
+  // Behind the gateway of `lifeline serve --config`, every path names the backend shown.
+  function withBackend(path) {
+    if (!state.backend) return path;
+    return path + (path.includes("?") ? "&" : "?") + "backend=" + encodeURIComponent(state.backend);
+  }
+
   async function api(path) {
-    const response = await fetch(path, { headers: headers(), cache: "no-store" });
+    const response = await fetch(withBackend(path), { headers: headers(), cache: "no-store" });
     if (!response.ok) throw await failure(response);
     return response.json();
   }
@@ -82,6 +88,26 @@
       if (error.code !== "step_log_disabled") throw error;
     }
     upsertRows(listOf(await api("/debug/requests?limit=200")));
+    if (state.backends == null) await listBackends();
+  }
+
+  // A gateway lists its in-process backends at /debug/backends; a single server has none.
+  async function listBackends() {
+    try {
+      state.backends = listOf(await api("/debug/backends")).filter((b) => b.local);
+    } catch (error) {
+      if (error.status !== 404) throw error;
+      state.backends = [];
+    }
+    const select = $("#backend");
+    if (state.backends.length < 2) return;
+    const shown = state.backend ?? state.backends.find((b) => b.default)?.name;
+    select.replaceChildren(...state.backends.map((b) => el("option", {
+      value: b.name, selected: b.name === shown, text: `${b.name} · ${b.model}` })));
+    select.addEventListener("change", () => {
+      location.search = "?backend=" + encodeURIComponent(select.value);
+    });
+    $("#backendform").hidden = false;
   }
 
   function parseEvents(buffer, onData) {
@@ -96,7 +122,8 @@
   }
 
   async function stream() {
-    const response = await fetch("/dashboard/events", { headers: headers(), cache: "no-store" });
+    const response = await fetch(withBackend("/dashboard/events"),
+      { headers: headers(), cache: "no-store" });
     if (!response.ok) throw await failure(response);
     setConn("live", "live");
     const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
@@ -138,11 +165,12 @@
   }
 
   function readKey() {
-    const given = new URLSearchParams(location.search).get("admin_key")
-      ?? new URLSearchParams(location.hash.slice(1)).get("key");
+    const query = new URLSearchParams(location.search);
+    state.backend = query.get("backend");
+    const given = query.get("admin_key") ?? new URLSearchParams(location.hash.slice(1)).get("key");
     if (given != null) {
       sessionStorage.setItem("lifeline.adminKey", given);
-      history.replaceState(null, "", location.pathname);
+      history.replaceState(null, "", withBackend(location.pathname));
     }
     state.key = sessionStorage.getItem("lifeline.adminKey");
     $("#keyform").addEventListener("submit", (event) => {
