@@ -6,17 +6,12 @@ import json
 
 import httpx
 import pytest
-from tokenizers import Tokenizer as Backend
-from tokenizers import decoders, models, pre_tokenizers
 
-from lifeline.bench.workloads import WORDS
 from lifeline.cli import main
 from lifeline.engine.engine import EngineConfig
-from lifeline.model.config import ModelConfig
-from lifeline.model.loader import LoadedModel, build_model, init_dummy_weights
 from lifeline.server.config import ServerConfig
 from lifeline.server.testing import ServerThread
-from lifeline.tokenizer import HFTokenizer
+from tests.word_models import tiny_llama, word_tokenizer
 
 REQUESTS, WARMUP, USERS, INPUT, OUTPUT = 12, 1, 4, 24, 6
 DIST_KEYS = {"mean", "p50", "p90", "p95", "p99"}
@@ -25,19 +20,7 @@ DIST_KEYS = {"mean", "p50", "p90", "p95", "p99"}
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     path = tmp_path_factory.mktemp("words")
-    vocab = {"[UNK]": 0, "</s>": 1, **{w: i + 2 for i, w in enumerate(dict.fromkeys(WORDS))}}
-    backend = Backend(models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.decoder = decoders.WordPiece()
-    backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
-    tokenizer = HFTokenizer(path)
-    cfg = ModelConfig(architecture="llama", vocab_size=tokenizer.vocab_size, hidden_size=32,
-                      num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
-                      intermediate_size=64, max_position=256)
-    model = build_model(cfg)
-    init_dummy_weights(model)
-    loaded = LoadedModel(model.eval(), cfg, tokenizer, str(path), "dummy")
+    loaded = tiny_llama(word_tokenizer(path), path, max_position=256)
     config = ServerConfig(served_model_name="tiny", engine=EngineConfig(num_kv_blocks=256))
     with ServerThread(loaded, config) as srv:
         yield srv

@@ -149,3 +149,61 @@ def test_with_api_keys_the_page_opens_and_the_data_waits_for_the_admin_key(loade
             assert page.get_attribute("#conn", "data-state") == "live"
         finally:
             context.close()
+
+
+GATEWAY = f"""
+[server]
+api_keys = ["tenant-key"]
+admin_key = "{ADMIN_KEY}"
+default_model = "one"
+[backends.a]
+model = "default"
+served_model_name = "one"
+[backends.a.engine]
+kv_cache_memory_bytes = "64MiB"
+compile = false
+[backends.b]
+model = "default"
+served_model_name = "two"
+[backends.b.engine]
+kv_cache_memory_bytes = "64MiB"
+compile = false
+[models.one]
+backends = ["a"]
+[models.two]
+backends = ["b"]
+"""
+
+
+def test_behind_the_gateway_the_page_picks_a_backend_and_shows_its_requests(loaded, browser):
+    """`make serve` runs the gateway: its page lists the engines in its process and shows the
+    one picked, with the requests routed to it."""
+    import openai
+
+    from lifeline.gateway.config import parse_config
+    from lifeline.gateway.testing import GatewayThread
+
+    with GatewayThread(parse_config(GATEWAY, ".toml"), {"a": loaded, "b": loaded}) as gw:
+        tenant = openai.OpenAI(base_url=gw.base_url + "/v1", api_key="tenant-key",
+                               max_retries=0)
+        out = tenant.completions.create(model="two", prompt="The capital of France is",
+                                        max_tokens=4, temperature=0)
+        context = browser.new_context(viewport={"width": 1400, "height": 1000})
+        try:
+            page = context.new_page()
+            problems = []
+            page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+            page.goto(f"{gw.base_url}/dashboard?admin_key={ADMIN_KEY}")
+            page.wait_for_selector("#backendform:not([hidden])", timeout=60000)
+            options = page.locator("#backend option")
+            assert options.evaluate_all("os => os.map(o => o.value)") == ["a", "b"]
+            assert page.locator("#backend").input_value() == "a", "the default model's"
+            assert page.locator(f'.row[data-request-id="{out.id}"]').count() == 0
+            page.select_option("#backend", "b")
+            page.wait_for_url("**/dashboard?backend=b", timeout=60000)
+            page.wait_for_selector(_row(out.id), timeout=60000)
+            assert page.locator("#backend").input_value() == "b"
+            assert page.get_attribute("#conn", "data-state") == "live"
+            assert problems == []
+        finally:
+            context.close()

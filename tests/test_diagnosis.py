@@ -26,6 +26,7 @@ from lifeline.model.loader import LoadedModel, build_model, init_dummy_weights, 
 from lifeline.server.config import ServerConfig
 from lifeline.server.testing import ServerThread
 from lifeline.tokenizer import HFTokenizer
+from tests.word_models import word_tokenizer
 
 pytestmark = pytest.mark.alone
 """Each test holds a number to 10% of a control measured in the same minute: with the suite's
@@ -34,16 +35,6 @@ other half beside it the machine's speed would move more than that between the t
 TOLERANCE = 0.10
 TEMPLATE = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
 """A chat template without scaffolding: the anatomy is the messages' own text."""
-
-
-def _word_tokenizer(path) -> HFTokenizer:
-    vocab = {"[UNK]": 0, "</s>": 1, **{w: i + 2 for i, w in enumerate(dict.fromkeys(WORDS))}}
-    backend = Backend(models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.decoder = decoders.WordPiece()
-    backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
-    return HFTokenizer(path)
 
 
 def _byte_tokenizer(path) -> HFTokenizer:
@@ -81,7 +72,7 @@ def _serve(loaded: LoadedModel, path, **engine) -> ServerThread:
 @pytest.fixture(scope="module")
 def words(tmp_path_factory):
     path = tmp_path_factory.mktemp("words")
-    with _serve(_random_model(_word_tokenizer(path), path), path) as srv:
+    with _serve(_random_model(word_tokenizer(path), path), path) as srv:
         yield srv
 
 
@@ -89,7 +80,7 @@ def words(tmp_path_factory):
 def two_seqs(tmp_path_factory):
     """Room for two requests at once: a load of more waits in the queue."""
     path = tmp_path_factory.mktemp("two")
-    with _serve(_random_model(_word_tokenizer(path), path), path, max_num_seqs=2) as srv:
+    with _serve(_random_model(word_tokenizer(path), path), path, max_num_seqs=2) as srv:
         yield srv
 
 
@@ -424,7 +415,7 @@ def test_compare_puts_the_difference_between_two_servers_in_the_stage_that_diffe
 
 def test_the_step_log_needs_the_admin_key_when_api_keys_guard_the_server(tmp_path):
     path = tmp_path
-    loaded = _random_model(_word_tokenizer(path), path, hidden=32, layers=1, kv_heads=1)
+    loaded = _random_model(word_tokenizer(path), path, hidden=32, layers=1, kv_heads=1)
     config = ServerConfig(served_model_name="tiny", api_keys=["user-key"],
                           admin_key="admin-key", engine=EngineConfig(num_kv_blocks=64))
     with ServerThread(loaded, config) as srv:

@@ -14,17 +14,13 @@ import threading
 import httpx
 import openai
 import pytest
-from tokenizers import Tokenizer as Backend
-from tokenizers import decoders, models, pre_tokenizers
 
 from lifeline.bench.workloads import WORDS
 from lifeline.engine.engine import EngineConfig
-from lifeline.model.config import ModelConfig
-from lifeline.model.loader import LoadedModel, build_model, init_dummy_weights
 from lifeline.server.config import ServerConfig
 from lifeline.server.debug import DASHBOARD_DIR
 from lifeline.server.testing import ServerThread
-from lifeline.tokenizer import HFTokenizer
+from tests.word_models import tiny_llama, word_tokenizer
 
 SECRET = "zyzzyva"
 """A word only the test's prompts hold: it must never appear in a debug answer."""
@@ -34,20 +30,7 @@ BUDGET = 16
 @pytest.fixture(scope="module")
 def loaded(tmp_path_factory):
     path = tmp_path_factory.mktemp("words")
-    words = [SECRET, *dict.fromkeys(WORDS)]
-    vocab = {"[UNK]": 0, "</s>": 1, **{w: i + 2 for i, w in enumerate(words)}}
-    backend = Backend(models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.decoder = decoders.WordPiece()
-    backend.save(str(path / "tokenizer.json"))
-    (path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
-    tokenizer = HFTokenizer(path)
-    cfg = ModelConfig(architecture="llama", vocab_size=tokenizer.vocab_size, hidden_size=32,
-                      num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
-                      intermediate_size=64, max_position=512)
-    model = build_model(cfg)
-    init_dummy_weights(model)
-    return LoadedModel(model.eval(), cfg, tokenizer, str(path), "dummy")
+    return tiny_llama(word_tokenizer(path, [SECRET, *WORDS]), path)
 
 
 def _config(**kwargs) -> ServerConfig:
@@ -239,6 +222,11 @@ def test_the_diagnosis_route_answers_with_the_diagnosis_or_says_there_is_none(cl
         assert response.json()["error"]["code"] == "diagnosis_unavailable"
     else:
         assert response.status_code == 200, response.text
+
+
+def test_a_single_server_lists_itself_as_its_only_backend(http):
+    assert http.get("/debug/backends").json()["data"] == [
+        {"name": "tiny", "model": "tiny", "local": True, "default": True, "routes": ["tiny"]}]
 
 
 def test_the_dashboard_page_is_served_when_installed(http):

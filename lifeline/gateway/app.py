@@ -58,6 +58,7 @@ def create_gateway_app(config: GatewayConfig, preloaded: dict[str, Any] | None =
     app = FastAPI(title="Lifeline gateway", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.lifeline = state
     app.state.debug_target = state.debug_target
+    app.state.debug_backends = lambda: _debug_backends(state)
     install_handlers(app)
     app.include_router(debug_router)
     _add_routes(app, state)
@@ -107,26 +108,23 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
     async def backends() -> dict[str, Any]:
         return {name: b.status() for name, b in state.backends.items()}
 
-    @app.get("/debug/backends")
-    async def debug_backends() -> dict[str, Any]:
-        """The backends `/debug/*` and the dashboard can read (`?backend=NAME`): those whose
-        engine runs in this process; the default is the first."""
-        local = state.local()
-        default = None
-        with contextlib.suppress(APIError):
-            default = state.debug_target(_NoQuery())
-        data = [{"name": name, "model": getattr(backend, "served_name", None)
-                 or backend.spec.model, "local": name in local,
-                 "default": default is not None and local.get(name) is default,
-                 "routes": [r.name for r in state.config.models.values()
-                            if name in route_backends(r)]}
-                for name, backend in state.backends.items()]
-        return {"object": "list", "data": data}
-
     @app.get("/gateway/decisions")
     async def decisions(limit: int = 50) -> dict[str, Any]:
         recent = list(state.router.recent)[-max(limit, 0):] if limit > 0 else []
         return {"object": "list", "data": recent}
+
+
+def _debug_backends(state: GatewayState) -> list[dict[str, Any]]:
+    """Every backend of the file: whether its engine runs here (only those have `/debug/*`
+    at the gateway), whether it is the one read by default, the routes it serves."""
+    local = state.local()
+    default = None
+    with contextlib.suppress(APIError):
+        default = state.debug_target(_NoQuery())
+    return [{"name": name, "model": getattr(backend, "served_name", None) or backend.spec.model,
+             "local": name in local, "default": default is not None and local.get(name) is default,
+             "routes": [r.name for r in state.config.models.values() if name in route_backends(r)]}
+            for name, backend in state.backends.items()]
 
 
 class _NoQuery:

@@ -80,6 +80,18 @@ def _require_step_log(state: ServerState) -> StepLog:
     return step_log
 
 
+@router.get("/debug/backends")
+async def debug_backends(request: Request) -> dict[str, Any]:
+    """The engines these paths can read (`?backend=NAME` picks one): behind the gateway, each
+    backend of the file (`app.state.debug_backends`); a single server is its own only one."""
+    lister = getattr(request.app.state, "debug_backends", None)
+    if lister is not None:
+        return {"object": "list", "data": lister()}
+    name = _state(request).model_id
+    return {"object": "list", "data": [{"name": name, "model": name, "local": True,
+                                        "default": True, "routes": [name]}]}
+
+
 @router.get("/debug/steps")
 async def debug_steps(request: Request) -> Response:
     step_log = _require_step_log(_state(request))
