@@ -156,23 +156,17 @@ GATEWAY = f"""
 api_keys = ["tenant-key"]
 admin_key = "{ADMIN_KEY}"
 default_model = "one"
-[backends.a]
+""" + "".join(f"""
+[backends.{name}]
 model = "default"
-served_model_name = "one"
-[backends.a.engine]
+served_model_name = "{model}"
+[backends.{name}.engine]
 kv_cache_memory_bytes = "64MiB"
 compile = false
-[backends.b]
-model = "default"
-served_model_name = "two"
-[backends.b.engine]
-kv_cache_memory_bytes = "64MiB"
-compile = false
-[models.one]
-backends = ["a"]
-[models.two]
-backends = ["b"]
-"""
+[models.{model}]
+backends = ["{name}"]
+""" for name, model in (("a", "one"), ("b", "two")))
+"""Two engines of the default model in the gateway's process, each its own route."""
 
 
 def test_behind_the_gateway_the_page_picks_a_backend_and_shows_its_requests(loaded, browser):

@@ -22,11 +22,11 @@ from lifeline.bench.run import BenchSettings, run_bench
 from lifeline.bench.workloads import WORDS
 from lifeline.engine.engine import EngineConfig
 from lifeline.model.config import ModelConfig
-from lifeline.model.loader import LoadedModel, build_model, init_dummy_weights, load_weights
+from lifeline.model.loader import LoadedModel, build_model, load_weights
 from lifeline.server.config import ServerConfig
 from lifeline.server.testing import ServerThread
 from lifeline.tokenizer import HFTokenizer
-from tests.word_models import word_tokenizer
+from tests.word_models import tiny_llama, word_tokenizer
 
 pytestmark = pytest.mark.alone
 """Each test holds a number to 10% of a control measured in the same minute: with the suite's
@@ -51,14 +51,10 @@ def _byte_tokenizer(path) -> HFTokenizer:
 
 def _random_model(tokenizer: HFTokenizer, path, *, hidden=128, layers=6, kv_heads=2,
                   max_position=8192) -> LoadedModel:
-    heads = max(kv_heads, hidden // 32)
-    cfg = ModelConfig(architecture="llama", vocab_size=tokenizer.vocab_size, hidden_size=hidden,
-                      num_layers=layers, num_heads=heads, num_kv_heads=kv_heads,
-                      head_dim=hidden // heads, intermediate_size=2 * hidden,
+    """Heads of 32 dimensions (at least `kv_heads` of them)."""
+    return tiny_llama(tokenizer, path, hidden=hidden, layers=layers,
+                      heads=max(kv_heads, hidden // 32), kv_heads=kv_heads,
                       max_position=max_position)
-    model = build_model(cfg)
-    init_dummy_weights(model)
-    return LoadedModel(model.eval(), cfg, tokenizer, str(path), "dummy")
 
 
 def _serve(loaded: LoadedModel, path, **engine) -> ServerThread:
