@@ -481,6 +481,7 @@ def test_the_gateway_serves_each_local_backends_debug_paths_to_the_admin_key(gat
         "far": (False, False, ["far"])}
     for params, status, code, param in (
             ({"backend": "nope"}, 404, "backend_not_found", "backend"),
+            ({"backend": "x" * 5000}, 404, "backend_not_found", "backend"),
             ({"backend": "far"}, 404, "backend_not_local", "backend"),
             ({"model": "far"}, 404, "backend_not_local", "model"),
             ({"model": "nope"}, 404, "model_not_found", "model"),
@@ -489,6 +490,7 @@ def test_the_gateway_serves_each_local_backends_debug_paths_to_the_admin_key(gat
         assert response.status_code == status, (params, response.text)
         error = response.json()["error"]
         assert error["code"] == code and error["param"] == param, error
+        assert len(error["message"]) < 400, "a hostile name is not echoed whole"
     assert boss.get("/debug/requests/nope").status_code == 404
 
 

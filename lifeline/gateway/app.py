@@ -118,18 +118,11 @@ def _debug_backends(state: GatewayState) -> list[dict[str, Any]]:
     """Every backend of the file: whether its engine runs here (only those have `/debug/*`
     at the gateway), whether it is the one read by default, the routes it serves."""
     local = state.local()
-    default = None
-    with contextlib.suppress(APIError):
-        default = state.debug_target(_NoQuery())
+    default = state.default_local(local)
     return [{"name": name, "model": getattr(backend, "served_name", None) or backend.spec.model,
              "local": name in local, "default": default is not None and local.get(name) is default,
              "routes": [r.name for r in state.config.models.values() if name in route_backends(r)]}
             for name, backend in state.backends.items()]
-
-
-class _NoQuery:
-    """A request with no query parameters, for `debug_target`'s default choice."""
-    query_params: dict[str, str] = {}
 
 
 def _card(state: GatewayState, route: RouteSpec, name: str) -> dict[str, Any]:

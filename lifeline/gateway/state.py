@@ -109,11 +109,15 @@ class GatewayState:
             for server in local.values():
                 if holds(server, request_id):
                     return server
+        return self.default_local(local)
+
+    def default_local(self, local: dict[str, Any]) -> Any:
+        """The default model's first local backend, else the first local one (None: none)."""
         with contextlib.suppress(APIError):
             for name in route_backends(self.router.resolve(None).spec):
                 if name in local:
                     return local[name]
-        return next(iter(local.values()))
+        return next(iter(local.values()), None)
 
     def local_registries(self) -> list[Any]:
         """The Prometheus registries of the local engines, their gauges brought up to date."""
