@@ -23,7 +23,8 @@ measured, in four parts:
    `seq_overhead_s`, and `batch_overhead_s` for a step of more than one row: one row runs
    fbgemm's matrix-vector path, more a GEMM with its own set-up). They minimise a robust
    (soft-L1) relative error against the measured steps, each shape weighed equally, no
-   efficiency above 1 (reweighted non-negative least squares; `fit_steps`). The table printed
+   efficiency above 1 (reweighted non-negative least squares; `fit_steps`), the step overhead
+   no less than the host time measured outside the executor (`host_floor`). The table printed
    sets the `CostModel`'s own predictions beside the measurements.
 4. Serving: a short `lifeline bench` run (the bench's own code) against a real `lifeline
    serve` on loopback, at 1 user of 64-token prompts, 2 of 256 and 12 of 40, measures what the
@@ -186,14 +187,18 @@ class StepSample:
     work: tuple[tuple[int, int], ...]
     sampled: int
     seconds: float
+    host_seconds: float = 0.0
+    """Of `seconds`, the part outside the executor (scheduling, bookkeeping, outputs)."""
 
     def as_dict(self) -> dict[str, Any]:
         return {"label": self.label, "work": [list(w) for w in self.work],
-                "sampled": self.sampled, "seconds": self.seconds}
+                "sampled": self.sampled, "seconds": self.seconds,
+                "host_seconds": self.host_seconds}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> StepSample:
-        return cls(d["label"], tuple(tuple(w) for w in d["work"]), d["sampled"], d["seconds"])
+        return cls(d["label"], tuple(tuple(w) for w in d["work"]), d["sampled"], d["seconds"],
+                   d.get("host_seconds", 0.0))
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,11 +245,17 @@ class _Recorder:
     def __init__(self, inner: Any):
         self.inner, self.compiled = inner, inner.compiled
         self.last: tuple[tuple[tuple[int, int], ...], int] | None = None
+        self.seconds = 0.0
+        """The last `execute`'s time."""
 
     def execute(self, scheduled: Any) -> Any:
         self.last = (tuple((s.num_new_tokens, s.start) for s in scheduled.scheduled),
                      sum(1 for s in scheduled.scheduled if s.samples))
-        return self.inner.execute(scheduled)
+        t = time.perf_counter()
+        try:
+            return self.inner.execute(scheduled)
+        finally:
+            self.seconds = time.perf_counter() - t
 
 
 def served_engine() -> LLMEngine:
@@ -281,7 +292,8 @@ def measure_steps(engine: LLMEngine, grid: StepGrid, on_item: Callable[[], None]
             engine.step()
             seconds = time.perf_counter() - t
             if recorder.last is not None and recorder.last[0]:
-                sample = StepSample("", recorder.last[0], recorder.last[1], seconds)
+                sample = StepSample("", recorder.last[0], recorder.last[1], seconds,
+                                    max(seconds - recorder.seconds, 0.0))
                 kept = name(sample)
                 if kept is not None:
                     samples.append(dataclasses.replace(sample, label=kept))
@@ -439,6 +451,13 @@ def step_terms(model: ModelConfig, hw: Hardware, samples: Sequence[StepSample]) 
                      (rows > 1).astype(float))
 
 
+def host_floor(samples: Sequence[StepSample]) -> float:
+    """The least fixed cost of a step, measured: the median time outside the executor of the
+    steps that ran one request (0 where the samples have no host times)."""
+    one = [s.host_seconds for s in samples if len(s.work) == 1]
+    return float(np.median(one)) if one else 0.0
+
+
 def _weights(samples: Sequence[StepSample]) -> np.ndarray:
     """Each label weighs as much as any other, however many steps it ran."""
     labels = [s.label for s in samples]
@@ -452,14 +471,17 @@ slowed)."""
 
 
 def fit_steps(terms: StepTerms, measured: np.ndarray, weights: np.ndarray | None = None,
-              iterations: int = 20) -> np.ndarray:
+              iterations: int = 20, step_overhead_floor: float = 0.0) -> np.ndarray:
     """The `PARAMS` whose predictions are closest to `measured`: a soft-L1 loss of the
     relative error, by iteratively reweighted non-negative least squares (the model is linear
     in the inverse efficiencies and the overheads). No efficiency exceeds 1: each inverse is
-    1 + x, x ≥ 0, so the peaks' own time is the least a step's work can take."""
+    1 + x, x ≥ 0, so the peaks' own time is the least a step's work can take. The step
+    overhead is at least `step_overhead_floor` (the host time measured outside the forward):
+    weight streaming is the same in every decode step of one model, so the steps alone cannot
+    tell a slower read of the weights from a fixed cost, and the fit would take either."""
     w = np.ones(len(measured)) if weights is None else np.asarray(weights, dtype=float)
     a = terms.columns()
-    floor = a[:, :EFFICIENCIES].sum(1)  # every efficiency 1
+    floor = a[:, :EFFICIENCIES].sum(1) + step_overhead_floor  # every efficiency 1
     target = measured - floor
     robust = np.ones(len(measured))
     x = np.zeros(a.shape[1])
@@ -474,6 +496,7 @@ def fit_steps(terms: StepTerms, measured: np.ndarray, weights: np.ndarray | None
         x = x_new
     params = x.copy()
     params[:EFFICIENCIES] = 1 / (1 + x[:EFFICIENCIES])
+    params[EFFICIENCIES] += step_overhead_floor
     return params
 
 
@@ -835,18 +858,21 @@ def calibrate(*, quick: bool = False, engine: LLMEngine | None = None, url: str 
                 varied = [dataclasses.replace(p, seed=p.seed + 1000 * k) for p in points]
                 runs += [(k, s, r) for s, r in measure_served(server_url, varied, progress)]
         foreign["engine steps and served runs"] = meter.share()
+    engine_label = (f"{engine.config.weights}, "
+                    f"{'compiled' if engine.executor.compiled else 'eager'}")
     if own:
         del engine
     advance = task("fit", 1)
     hw = peak_hardware(peaks)
     terms = step_terms(model, hw, samples)
     measured = np.array([s.seconds for s in samples])
-    params = fit_steps(terms, measured, _weights(samples))
+    params = fit_steps(terms, measured, _weights(samples),
+                       step_overhead_floor=host_floor(samples))
     advance()
     threads = torch.get_num_threads()
     source = (f"lifeline plan calibrate, {datetime.now(UTC).date().isoformat()}, "
               f"{threads} torch threads: {len(samples)} engine steps of the default model "
-              f"(int8-all, compiled) fitted")
+              f"({engine_label}) fitted")
     hw = dataclasses.replace(hw, efficiency=efficiency_of(params, source=source))
     engine_fit = fit_report(model, hw, samples)
     cal = Calibration(hw, peaks, samples, engine_fit, threads=threads, foreign_cores=foreign)
