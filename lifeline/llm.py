@@ -52,7 +52,8 @@ class LLM:
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         params = _per_prompt(sampling_params, len(prompts))
-        groups = [[_Sample(_prompt_input(p), child_params(sp, i), _cache_salt(p))
+        groups = [[_Sample(_prompt_input(p), child_params(sp, i), _cache_salt(p),
+                           tuple(p.get("images", ())) if isinstance(p, dict) else ())
                    for i in range(sp.n)] for p, sp in zip(prompts, params)]
         samples = [s for group in groups for s in group]
         try:
@@ -66,13 +67,15 @@ class LLM:
             raise
         return [_result(s.request, texts.get(s.request.request_id, "")) for s in samples]
 
-    def prompt_logits(self, token_ids: list[int]):
-        """Logits at every position of `token_ids` (a float32 tensor `[T, vocab]`)."""
-        return self.engine.prompt_logits(token_ids)
+    def prompt_logits(self, token_ids: list[int], images=()):
+        """Logits at every position of `token_ids` (a float32 tensor `[T, vocab]`); `images`:
+        the prompt's `ImageSpan`s (lifeline.media.inputs)."""
+        return self.engine.prompt_logits(token_ids, images)
 
     def _add(self, sample: _Sample) -> Request:
         sample.request = self.engine.add_request(sample.prompt, sample.params,
-                                                 cache_salt=sample.cache_salt)
+                                                 cache_salt=sample.cache_salt,
+                                                 images=sample.images)
         return sample.request
 
     def _run(self, held: dict[str, list[_Sample]], total: int, show: bool) -> dict[str, str]:
@@ -97,6 +100,7 @@ class _Sample:
     prompt: str | list[int]
     params: SamplingParams
     cache_salt: str | None
+    images: tuple = ()
     request: Request | None = None
 
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from lifeline.engine.request import Request
+from lifeline.media.inputs import image_block_keys
 
 NULL_BLOCK = -1
 """Table entry of a window block given back (or never needed, after a prefix-cache hit)."""
@@ -37,13 +38,16 @@ ROOT_HASH = hashlib.sha256(b"lifeline prefix cache, first block").digest()
 
 
 def hash_chain(parent: bytes | None, token_ids: Sequence[int], block_size: int,
-               extra_key: bytes = b"") -> list[bytes]:
+               extra_key: bytes = b"", block_keys: Sequence[bytes] | None = None
+               ) -> list[bytes]:
     """SHA-256 digests of the full blocks of `token_ids`, each over its parent's digest and its
     own token ids (little-endian uint32). A prefix-cache hit rests on them, so two different
     chains of blocks must never share a digest, as they could with Python's `hash()`.
 
     `parent` None: the first block is the request's first, and `extra_key` (its cache salt)
-    goes into it, length-prefixed, so every later block inherits it through the chain."""
+    goes into it, length-prefixed, so every later block inherits it through the chain.
+    `block_keys[i]`, where given, goes into block i's digest after its tokens (the hashes of
+    the images whose tokens the block holds: lifeline.media.inputs.image_block_keys)."""
     count = len(token_ids) // block_size
     if count == 0:
         return []
@@ -55,11 +59,14 @@ def hash_chain(parent: bytes | None, token_ids: Sequence[int], block_size: int,
         head.update(len(extra_key).to_bytes(8, "little"))
         head.update(extra_key)
         head.update(data[:width])
+        if block_keys:
+            head.update(block_keys[0])
         parent = head.digest()
         digests.append(parent)
     sha256 = hashlib.sha256
     for start in range(width * len(digests), len(data), width):
-        parent = sha256(parent + data[start:start + width]).digest()
+        key = block_keys[start // width] if block_keys else b""
+        parent = sha256(parent + data[start:start + width] + key).digest()
         digests.append(parent)
     return digests
 
@@ -167,8 +174,9 @@ class BlockManager:
         if full <= done:
             return hashes
         tokens = _token_range(req, done * bs, full * bs)
+        keys = image_block_keys(req.images, bs, done, full - done) if req.images else None
         hashes.extend(hash_chain(hashes[-1] if hashes else None, tokens, bs,
-                                 req.extra_hash_key))
+                                 req.extra_hash_key, keys))
         return hashes
 
     def prefix_hashes(self, req: Request) -> list[bytes]:

@@ -24,6 +24,9 @@ if TYPE_CHECKING:
     import torch
 
     from lifeline.engine.moe_usage import MoEAccounting
+    from collections.abc import Sequence
+
+    from lifeline.media.inputs import ImageSpan
     from lifeline.model.loader import LoadedModel
 
 log = logging.getLogger("lifeline.engine")
@@ -65,6 +68,8 @@ class EngineConfig:
     eager): fused small kernels and a faster decode (docs/performance.md), a compile at the
     start (`LLMEngine.warmup`). The command line's `serve` defaults to it."""
 
+    encoder_cache_mib: int = 512
+    """Image embeddings the encoder cache keeps (a vision-language model), by image hash."""
     step_log_size: int = 4096
     """Steps the step log keeps (`LLMEngine.step_log`, the server's `/debug/steps`); 0 keeps
     none. Each request's own share of its steps is recorded either way."""
@@ -144,7 +149,8 @@ class LLMEngine:
                                             config.max_num_batched_tokens)
         max_len = self._clamp_model_len(config.max_model_len, mcfg.max_position)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len),
+            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len,
+                            whole_images=bool(mcfg.vision and mcfg.vision.bidirectional)),
             self.block_manager)
         self.executor: Executor = (executor or self._model_executor)(layout)
         self.recorder = StepRecorder(layout, config.max_num_seqs, config.max_num_batched_tokens,
@@ -215,12 +221,14 @@ class LLMEngine:
                     request_id: str | None = None, arrival: float | None = None, *,
                     cache_salt: str | None = None, deadline: float | None = None,
                     fault: str | None = None, client_id: str | None = None,
-                    choice_index: int | None = None) -> Request:
+                    choice_index: int | None = None, images: Sequence[ImageSpan] = ()
+                    ) -> Request:
         """`cache_salt` (vLLM's): requests share prefix-cache blocks only if their salts are
         equal (no salt and the empty salt are the same). `deadline` (engine clock): a request
         still running then ends with finish reason 'length', one with no token yet fails with
         `RequestError.TIMEOUT`. `client_id` and `choice_index`: the response and choice this
-        request serves, as the step log names it (default: `request_id`)."""
+        request serves, as the step log names it (default: `request_id`). `images`: the
+        prompt's images, their tokens already in the prompt (lifeline.media.inputs)."""
         params = params or SamplingParams()
         now = self.clock()
         order = next(self._counter)
@@ -232,7 +240,7 @@ class LLMEngine:
         req = Request(request_id, ids, params, prompt=text, eos_token_ids=self.eos_token_ids,
                       arrival_order=order, extra_hash_key=(cache_salt or "").encode(),
                       deadline=deadline, fault=fault, client_id=client_id,
-                      choice_index=choice_index)
+                      choice_index=choice_index, images=tuple(images))
         req.timeline.arrival = arrival if arrival is not None else now
         req.timeline.arrival_wall = time.time()
         req.timeline.tokenized = self.clock()
@@ -260,19 +268,30 @@ class LLMEngine:
     def _validate(self, req: Request) -> None:
         check_request(req.prompt_token_ids, req.params, ModelLimits(
             self.model_config.vocab_size, self.max_model_len))
+        if req.images:
+            if self.model_config.vision is None:
+                raise ValueError(f"{self.model_config.name or 'this model'} takes no images")
+            n = req.num_prompt_tokens
+            last = -1
+            for img in req.images:
+                if not img.positions or img.offset <= last or img.end > n:
+                    raise ValueError("an image's positions lie outside the prompt or overlap")
+                last = img.end - 1
 
     def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer | None:
         if self.tokenizer is None:
             return None
         return IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
 
-    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+    def prompt_logits(self, token_ids: list[int], images: Sequence[ImageSpan] = ()
+                      ) -> torch.Tensor:
         """Logits `[T, vocab]` at every prompt position, computed through the normal step path
         (scheduler, chunked prefill, paged KV), bypassing the prefix cache. The model
         executor's: the chunks are its tensors."""
         import torch
 
-        req = self.add_request(token_ids, SamplingParams(max_tokens=1, temperature=0))
+        req = self.add_request(token_ids, SamplingParams(max_tokens=1, temperature=0),
+                               images=images)
         req.want_prompt_logits = True
         while not req.is_finished:
             self.step()

@@ -39,9 +39,16 @@ class ModelExecutor:
         self.moe_stats = getattr(model, "moe_stats", None)
         """The routing counts of an MoE model (None for a dense one)."""
         self.sampler = Sampler(getattr(loaded.tokenizer, "eos_token_ids", ()) or ())
+        self.vision = getattr(loaded, "vision", None)
+        """The vision tower of a vision-language model (lifeline.model.vision), else None."""
+        if self.vision is not None:
+            self.vision.to(config.device).eval()
+        self.encoder_cache = EncoderCache(config.encoder_cache_mib << 20)
 
     def execute(self, scheduled: SchedulerOutput) -> ModelOutput:
         inputs = self.runner.prepare(scheduled)
+        if inputs.images:
+            inputs.image_embeds = self._image_embeds(inputs)
         tokens = [s.num_new_tokens for s in inputs.order]
         if self.moe_stats is not None:
             # Segment i (the i-th scheduled request) labels its tokens in the flattened step.
@@ -58,6 +65,29 @@ class ModelExecutor:
             tuple(r.request_id for r in inputs.sampling), tuple(sampled.token_ids),
             tuple(sampled.logprobs), tuple(sampled.token_ids) if sampled.from_shortlist else None,
             prompt_logprobs, prompt_logits, moe)
+
+    def _image_embeds(self, inputs: StepInputs) -> torch.Tensor:
+        """The rows of each image this step needs, from the encoder cache or encoded now (the
+        whole image: a later chunk finds the rest in the cache)."""
+        if self.vision is None:
+            raise ValueError("this model has no vision tower: it cannot take images")
+        parts = []
+        for _, img, rows, _ in inputs.images:
+            embeds = self.encoder_cache.get(img.hash)
+            if embeds is None:
+                pixels = torch.as_tensor(img.pixels)
+                embeds, encode_s, project_s = self.vision.encode_stages(
+                    pixels.to(self.runner.device))
+                if embeds.shape[0] != img.num_embeds:
+                    raise ValueError(f"an image's tower gives {embeds.shape[0]} rows for its "
+                                     f"{img.num_embeds} tokens")
+                self.encoder_cache.put(img.hash, embeds)
+                img.timings["encode_s"] = img.timings.get("encode_s", 0.0) + encode_s
+                img.timings["project_s"] = img.timings.get("project_s", 0.0) + project_s
+            else:
+                img.timings.setdefault("encoder_cache_hit", 1.0)
+            parts.append(embeds[torch.tensor(rows, dtype=torch.long, device=embeds.device)])
+        return torch.cat(parts)
 
     def _prompt_outputs(self, inputs: StepInputs, logits: torch.Tensor
                         ) -> tuple[MappingProxyType[str, tuple[tuple[int, TokenLogprobs], ...]],
@@ -86,3 +116,38 @@ class ModelExecutor:
                                r.sampling_plan.generator(), r.sampling_plan)
                  for r in inputs.sampling]
         return self.sampler(rows, batch, argmax)
+
+
+class EncoderCache:
+    """Image embeddings by the image's hash, least recently used first out past `max_bytes`:
+    the same image in another request, or in the next turn, is not encoded again."""
+
+    def __init__(self, max_bytes: int):
+        from collections import OrderedDict
+
+        self.max_bytes = max_bytes
+        self.entries: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.bytes = 0
+        self.hits = self.misses = 0
+
+    def get(self, key: str) -> torch.Tensor | None:
+        found = self.entries.get(key)
+        if found is None:
+            self.misses += 1
+            return None
+        self.hits += 1
+        self.entries.move_to_end(key)
+        return found
+
+    def put(self, key: str, value: torch.Tensor) -> None:
+        size = value.numel() * value.element_size()
+        if size > self.max_bytes:
+            return
+        old = self.entries.pop(key, None)
+        if old is not None:
+            self.bytes -= old.numel() * old.element_size()
+        self.entries[key] = value
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, gone = self.entries.popitem(last=False)
+            self.bytes -= gone.numel() * gone.element_size()

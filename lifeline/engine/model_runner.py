@@ -1,7 +1,8 @@
 """Runs one scheduled step on the model: flattened inputs, paged KV pool, logits where needed."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -30,6 +31,11 @@ class StepInputs:
     sampling: list[Request]
     prompt_logit_spans: list[tuple[Request, int, int]]
     """(request, first logits row, count) for requests that record their prompt logits."""
+    images: list[tuple[Request, Any, list[int], list[int]]] = field(default_factory=list)
+    """(request, image, rows of its embeddings, rows of the step's tokens they replace) of
+    each image with tokens in this step's prefill chunks."""
+    image_embeds: torch.Tensor | None = None
+    """Set by the executor: the embeddings of `images`' rows, in their order."""
 
 
 class ModelRunner:
@@ -46,6 +52,8 @@ class ModelRunner:
         family = registry.find(config.architecture)
         self.plain_head = family is not None and family.plain_head
         """The family's logits are its head's alone, so the head's argmax may come with them."""
+        self.both_ways = bool(config.vision and config.vision.bidirectional)
+        """An image's tokens attend to each other both ways (Gemma 3's language model)."""
         self.block_size = block_size = layout.block_size
         self.device = torch.device(device)
         if len(layout.groups) > 2:
@@ -92,8 +100,29 @@ class ModelRunner:
         meta = self._attention_meta(order, 0, self.windows[0])
         if len(self.windows) > 1:
             meta.window_meta = self._attention_meta(order, 1, self.windows[1])
-        return self._logit_plan(order, torch.tensor(ids, dtype=torch.long),
-                                torch.cat(positions), meta)
+        inputs = self._logit_plan(order, torch.tensor(ids, dtype=torch.long),
+                                  torch.cat(positions), meta)
+        inputs.images = self._image_rows(order)
+        return inputs
+
+    @staticmethod
+    def _image_rows(order: list[ScheduledRequest]) -> list[tuple[Request, Any, list[int],
+                                                                 list[int]]]:
+        """Which of the step's rows are image tokens, and which embedding of which image each
+        takes."""
+        found = []
+        offset = 0
+        for s in order:
+            start, end = s.start, s.start + s.num_new_tokens
+            for img in s.request.images:
+                if img.offset >= end or img.end <= start:
+                    continue
+                rows = [i for i, p in enumerate(img.positions) if start <= p < end]
+                if rows:
+                    found.append((s.request, img, rows,
+                                  [offset + img.positions[i] - start for i in rows]))
+            offset += s.num_new_tokens
+        return found
 
     def _attention_meta(self, order: list[ScheduledRequest], group: int,
                         window: int | None = None) -> AttentionMetadata:
@@ -112,7 +141,9 @@ class ModelRunner:
                 first = max(0, start - window + 1) if window else 0
                 ctx_slots = self.slots(block_table, first, end)
                 slot_parts.append(ctx_slots[start - first:])
-                prefills.append(PrefillSeq(offset, s.num_new_tokens, end - first, ctx_slots))
+                runs = _image_runs(s.request, first, end) if self.both_ways else ()
+                prefills.append(PrefillSeq(offset, s.num_new_tokens, end - first, ctx_slots,
+                                           runs))
             offset += s.num_new_tokens
         meta = AttentionMetadata(slot_mapping=torch.cat(slot_parts), num_decodes=len(decodes),
                                  prefills=prefills)
@@ -182,10 +213,38 @@ class ModelRunner:
         """The model's call: hidden states of every scheduled token."""
         dev = self.device
         with forward_context(inputs.meta.to(dev), self.kv_caches):
-            return self.forward(inputs.input_ids.to(dev), inputs.positions.to(dev))
+            if inputs.image_embeds is None:
+                return self.forward(inputs.input_ids.to(dev), inputs.positions.to(dev))
+            # a step with image tokens runs eager: its input embeddings are spliced here
+            ids = inputs.input_ids.to(dev)
+            x = self.model.embed(ids)
+            rows = torch.tensor([r for *_, step_rows in inputs.images for r in step_rows],
+                                dtype=torch.long, device=dev)
+            x = x.index_copy(0, rows, inputs.image_embeds.to(dev, x.dtype))
+            return self.model(ids, inputs.positions.to(dev), inputs_embeds=x)
 
     def _logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         head = self.model.lm_head
         if self.plain_head and has_shortlist(head):
             return head(hidden, with_argmax=True)
         return self.model.compute_logits(hidden), None
+
+
+def _image_runs(req: Request, first: int, end: int) -> tuple[tuple[int, int], ...]:
+    """The runs of consecutive image tokens (one per frame) among positions [first, end), in
+    context positions counted from `first`."""
+    runs = []
+    for img in req.images:
+        if img.end <= first or img.offset >= end:
+            continue
+        lo = prev = img.positions[0]
+        for p in img.positions[1:] + (None,):
+            if p is not None and p == prev + 1:
+                prev = p
+                continue
+            a, b = max(lo, first), min(prev + 1, end)
+            if a < b:
+                runs.append((a - first, b - first))
+            if p is not None:
+                lo = prev = p
+    return tuple(runs)

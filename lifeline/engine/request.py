@@ -105,6 +105,9 @@ class Request:
     fault: str | None = None
     """A fault to inject when a step runs this request ('step': that step raises), set only
     by a server started with fault injection on."""
+    images: tuple[Any, ...] = ()
+    """The prompt's images (lifeline.media.inputs.ImageSpan), in prompt order: their
+    positions take the vision tower's embeddings, their hashes key the prefix cache."""
     sampling_plan: SamplingPlan = field(init=False)
     """The parameters worked out once for every step: bias tensors, stop-id set."""
 

@@ -21,6 +21,10 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     """Token budget of one step (prefill chunk tokens plus one per decode)."""
     max_model_len: int = 32768
+    whole_images: bool = False
+    """Never end a prefill chunk inside an image's tokens: a model whose image tokens attend
+    to each other both ways (Gemma 3) must compute an image in one chunk, over the token
+    budget where the budget left is smaller than the image."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -94,6 +98,8 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.images and self.config.whole_images:
+                num_new = self._whole_images(req, req.num_computed_tokens, num_new, budget)
             while not self.kv.allocate(req, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, now)
@@ -128,6 +134,8 @@ class Scheduler:
         prefix = self.kv.find_cached_prefix(req) if fresh else []
         cached = len(prefix) * self.kv.block_size
         num_new = min(req.num_tokens - cached, budget)
+        if req.images and self.config.whole_images:
+            num_new = self._whole_images(req, cached, num_new, budget)
         if not self.kv.allocate(req, num_new, prefix):
             return 0
         self.waiting.popleft()
@@ -138,6 +146,16 @@ class Scheduler:
         req.status = RequestStatus.RUNNING
         self.running.append(req)
         out.scheduled.append(self._scheduled(req, num_new))
+        return num_new
+
+    def _whole_images(self, req: Request, start: int, num_new: int, budget: int) -> int:
+        """`num_new` cut back to the start of an image the chunk would end inside; a chunk
+        that starts at (or inside) such an image takes all of it, over the budget if need be
+        (by less than one image's tokens: no image waits for a budget it cannot get)."""
+        end = start + num_new
+        for img in req.images:
+            if img.offset < end < img.end and start < img.end:
+                return img.offset - start if img.offset > start else img.end - start
         return num_new
 
     def _schedule_alone(self, out: SchedulerOutput, now: float) -> bool:

@@ -10,6 +10,29 @@ from typing import Any
 from lifeline.model import registry
 
 
+@dataclass(frozen=True, slots=True)
+class VisionSpec:
+    """The vision side of a vision-language model: its tower (lifeline.model.vision), how an
+    image's tokens look in the prompt, and how its language model attends over them."""
+
+    family: str
+    """'idefics3' (SmolVLM) or 'gemma3'."""
+    vision: dict[str, Any]
+    """The checkpoint's `vision_config`."""
+    image_token_id: int
+    """The token whose positions take the tower's rows."""
+    marker: str
+    """What marks an image in the rendered prompt (replaced by the family's placeholder)."""
+    scale_factor: int = 2
+    """Idefics3's pixel shuffle."""
+    tokens_per_image: int = 256
+    """Rows per frame (Gemma 3: `mm_tokens_per_image`; Idefics3: patches / scale_factor²)."""
+    bidirectional: bool = False
+    """An image's tokens attend to each other both ways in the language model (Gemma 3)."""
+    processor: dict[str, Any] = field(default_factory=dict)
+    """The checkpoint's preprocessor_config.json (the image processor's settings)."""
+
+
 @dataclass(slots=True)
 class ModelConfig:
     architecture: str
@@ -39,6 +62,8 @@ class ModelConfig:
     qk_norm: bool = False
     attention_bias: bool = False
     name: str = ""
+    vision: VisionSpec | None = None
+    """A vision-language model's vision side; None for a text model."""
     num_experts: int = 0
     """Routed experts per MoE layer; 0 for a dense model."""
     num_experts_per_tok: int = 0
@@ -227,8 +252,11 @@ def config_from_hf(path: str | Path) -> ModelConfig:
     """From a Hugging Face model directory, or its `config.json` file itself."""
     path = Path(path)
     file = path if path.is_file() else path / "config.json"
-    raw = json.loads(file.read_text())
-    raw = raw.get("text_config", raw) if raw.get("model_type") == "gemma3" else raw
+    top = raw = json.loads(file.read_text())
+    if raw.get("model_type") in ("gemma3", "idefics3", "smolvlm"):
+        raw = raw.get("text_config", raw)
+        if raw is not top and raw.get("model_type") is None:
+            raw = {**raw, "model_type": "llama"}
     arch = raw.get("model_type", "llama")
     num_heads = raw["num_attention_heads"]
     hidden = raw["hidden_size"]
@@ -270,11 +298,29 @@ def config_from_hf(path: str | Path) -> ModelConfig:
                                raw.get("qkv_bias", arch in ("qwen2", "qwen2_moe"))),
         name=file.parent.name if file.name == "config.json" else file.stem,
     )
+    if top.get("vision_config"):
+        cfg.vision = _vision_spec(top, file.parent)
     if raw.get("kv_lora_rank"):
         _set_mla_fields(cfg, raw)
     if found and found.routed_experts:
         _set_moe_fields(cfg, raw)
     return cfg
+
+
+def _vision_spec(top: dict[str, Any], folder: Path) -> VisionSpec:
+    vision = dict(top["vision_config"])
+    pre = folder / "preprocessor_config.json"
+    processor = json.loads(pre.read_text()) if pre.exists() else {}
+    if top["model_type"] == "gemma3":
+        return VisionSpec("gemma3", vision, int(top.get("image_token_index", 262144)),
+                          "<start_of_image>",
+                          tokens_per_image=int(top.get("mm_tokens_per_image", 256)),
+                          bidirectional=True, processor=processor)
+    scale = int(top.get("scale_factor", 2))
+    patches = (vision.get("image_size", 224) // vision.get("patch_size", 32)) ** 2
+    return VisionSpec("idefics3", vision, int(top.get("image_token_id", 128257)), "<image>",
+                      scale_factor=scale, tokens_per_image=patches // scale ** 2,
+                      processor=processor)
 
 
 def _set_moe_fields(cfg: ModelConfig, raw: dict[str, Any]) -> None:

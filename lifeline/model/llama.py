@@ -67,10 +67,15 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of `input_ids` (what an image's rows replace)."""
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states of the step's tokens; the KV pools and the step's attention metadata
         come from the forward context (lifeline.model.context)."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
         for layer in self.layers:
             x = layer(x, positions)
         return self.norm(x)

@@ -46,6 +46,8 @@ class LoadedModel:
     tokenizer: object | None
     source: str
     weight_format: str
+    vision: nn.Module | None = None
+    """A vision-language model's tower (lifeline.model.vision.VisionTower)."""
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
@@ -133,29 +135,53 @@ def load_gguf(path: str | Path, dummy: bool = False) -> LoadedModel:
     return LoadedModel(model.eval(), cfg, tokenizer, str(path), "gguf:" + "+".join(types))
 
 
-def _hf_weights(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def _hf_weights(path: Path, vision: dict[str, torch.Tensor] | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The language model's tensors, named as ours; a vision-language checkpoint's vision
+    tensors go to `vision` (by their own names) instead."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {path}")
     for file in files:
         for name, tensor in load_file(file).items():
-            name = re.sub(r"^model\.(language_model\.)?", "", name)
+            if vision is not None and _VISION_NAME.match(name):
+                vision[name] = tensor.float()
+                continue
+            name = re.sub(r"^(language_model\.)?(model\.)?(language_model\.|text_model\.)?",
+                          "", name)
             yield name, tensor.float()
+
+
+_VISION_NAME = re.compile(r"^(model\.)?(vision_model|vision_tower|connector|multi_modal_projector)\.")
 
 
 def load_hf(path: str | Path, dummy: bool = False) -> LoadedModel:
     path = Path(path)
     cfg = config_from_hf(path)
     model = build_model(cfg)
+    tower = build_vision(cfg) if cfg.vision else None
     if dummy:
-        init_dummy_weights(model)
+        init_dummy_weights(model)  # a tower keeps torch's own random initialisation
     else:
-        weights = _hf_weights(path)
+        vision: dict[str, torch.Tensor] | None = {} if tower is not None else None
+        weights = _hf_weights(path, vision)
         if hasattr(model, "convert_hf_weights"):
             weights = model.convert_hf_weights(weights)
         load_weights(model, weights, registry.family(cfg.architecture).norm_offset)
+        if tower is not None:
+            tower.load_hf_state(vision)
     tokenizer = HFTokenizer(path) if (path / "tokenizer.json").exists() else None
-    return LoadedModel(model.eval(), cfg, tokenizer, str(path), "safetensors")
+    return LoadedModel(model.eval(), cfg, tokenizer, str(path), "safetensors",
+                       tower.eval() if tower is not None else None)
+
+
+def build_vision(cfg: ModelConfig) -> nn.Module:
+    """The vision tower `cfg.vision` describes (its weights random until loaded)."""
+    from lifeline.model.vision import VisionConfig, VisionTower
+
+    spec = cfg.vision
+    return VisionTower(spec.family, VisionConfig.from_hf(spec.vision), cfg.hidden_size,
+                       scale_factor=spec.scale_factor, tokens_per_image=spec.tokens_per_image)
 
 
 def load_preset(name: str, seed: int = 0) -> LoadedModel:

@@ -37,6 +37,9 @@ class PrefillSeq:
     """Tokens in the cache once this chunk is written (cached prefix + chunk)."""
     slots: torch.Tensor
     """Cache slot of every context position, `[context_len]`."""
+    both_ways: tuple[tuple[int, int], ...] = ()
+    """Context ranges [a, b) whose positions attend to each other both ways (an image's
+    tokens in Gemma 3), in context positions (0: the first position `slots` holds)."""
 
 
 @dataclass(slots=True)
@@ -196,10 +199,10 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     # this was the slower math path (bmm + softmax; docs/performance.md, "Prefill attention").
     q_t = q.transpose(0, 1).unsqueeze(0)
     k_t, v_t = _expand_heads(k, q).unsqueeze(0), _expand_heads(v, q).unsqueeze(0)
-    if past == 0 and (window is None or p.num_tokens <= window):
+    if past == 0 and (window is None or p.num_tokens <= window) and not p.both_ways:
         o = F.scaled_dot_product_attention(q_t, k_t, v_t, is_causal=True, scale=scale)
     else:
-        mask = _chunk_mask(p.num_tokens, p.context_len, window, q.device)
+        mask = _chunk_mask(p.num_tokens, p.context_len, window, q.device, p.both_ways)
         o = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, scale=scale)
     o = o.squeeze(0)
     return o.transpose(0, 1)
@@ -213,11 +216,15 @@ def _expand_heads(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return kv.repeat_interleave(group, dim=0) if group > 1 else kv
 
 
-def _chunk_mask(num_q: int, num_k: int, window: int | None, device: torch.device
-                ) -> torch.Tensor:
+def _chunk_mask(num_q: int, num_k: int, window: int | None, device: torch.device,
+                both_ways: tuple[tuple[int, int], ...] = ()) -> torch.Tensor:
+    """Causal (within the window), or-ed with the ranges that see each other both ways: as
+    transformers' Gemma 3, AND(window, OR(causal, same image))."""
     pos_q = torch.arange(num_k - num_q, num_k, device=device).unsqueeze(1)
     pos_k = torch.arange(num_k, device=device).unsqueeze(0)
     mask = pos_k <= pos_q
+    for a, b in both_ways:
+        mask |= (pos_q >= a) & (pos_q < b) & (pos_k >= a) & (pos_k < b)
     if window is not None:
         mask &= pos_k > pos_q - window
     return mask
