@@ -2,7 +2,9 @@
 
 - Roles: system, developer (rendered as system), user, assistant, tool.
 - Content: a string, or a list of `{"type": "text", "text": ...}` parts joined with "\\n" (as vLLM
-  does); other part types are refused for now. `null` content is allowed only for an assistant
+  does); for a model that takes images, `image_url` parts too (the content then stays a list
+  of text and `{"type": "image"}` parts, as vision templates read it); other part types are
+  refused. `null` content is allowed only for an assistant
   message that carries `tool_calls`.
 - An assistant's `tool_calls[].function.arguments` arrive as a JSON string (OpenAI) and are
   handed to the template as a dict (Hugging Face templates call `tojson` on them).
@@ -21,13 +23,18 @@ RESERVED_KWARGS = frozenset({"messages", "tools", "tool_choice", "add_generation
                              "bos_token", "eos_token", "documents"})
 
 
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+def normalize_messages(messages: Any, images: list[tuple[str, str]] | None = None
+                       ) -> list[dict[str, Any]]:
+    """`images`: a list to collect the `image_url` parts' (field, url) into, for a model that
+    takes images; their place in a message becomes a `{"type": "image"}` part, as Hugging
+    Face's vision templates read it. None: image parts are refused."""
     if not isinstance(messages, list) or not messages:
         raise ChatError("'messages' must be a non-empty list")
-    return [_message(i, m) for i, m in enumerate(messages)]
+    return [_message(i, m, images) for i, m in enumerate(messages)]
 
 
-def _message(i: int, message: Any) -> dict[str, Any]:
+def _message(i: int, message: Any, images: list[tuple[str, str]] | None = None
+             ) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(message, Mapping):
         raise ChatError(f"{where} must be an object")
@@ -38,7 +45,7 @@ def _message(i: int, message: Any) -> dict[str, Any]:
     content = message.get("content")
     tool_calls = message.get("tool_calls") if role == "assistant" else None
     if content is not None:
-        out["content"] = _content(where, content)
+        out["content"] = _content(where, content, images)
     elif not tool_calls:
         raise ChatError(f"{where}.content is required for a {role} message")
     if tool_calls:
@@ -52,19 +59,33 @@ def _message(i: int, message: Any) -> dict[str, Any]:
     return out
 
 
-def _content(where: str, content: Any) -> str:
+def _content(where: str, content: Any, images: list[tuple[str, str]] | None = None
+             ) -> str | list[dict[str, str]]:
+    """A string; a list of text and image parts where the content has images (the text
+    parts' strings otherwise joined with newlines)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise ChatError(f"{where}.content must be a string or a list of parts")
-    texts = []
+    parts: list[dict[str, str]] = []
     for j, part in enumerate(content):
-        if not isinstance(part, Mapping) or part.get("type") != "text":
-            kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
-            raise ChatError(f"{where}.content[{j}]: part type {kind!r} is not supported "
-                            "(only 'text')")
-        texts.append(_string(f"{where}.content[{j}].text", part.get("text")))
-    return "\n".join(texts)
+        at = f"{where}.content[{j}]"
+        kind = part.get("type") if isinstance(part, Mapping) else type(part).__name__
+        if kind == "image_url" and images is not None:
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, Mapping) else url
+            images.append((f"{at}.image_url.url", _string(f"{at}.image_url.url", url)))
+            parts.append({"type": "image"})
+        elif kind == "image_url":
+            raise ChatError(f"{at}: this model takes no images (part type 'image_url')")
+        elif kind != "text":
+            raise ChatError(f"{at}: part type {kind!r} is not supported (only 'text'"
+                            f"{' and image_url' if images is not None else ''})")
+        else:
+            parts.append({"type": "text", "text": _string(f"{at}.text", part.get("text"))})
+    if any(p["type"] == "image" for p in parts):
+        return parts
+    return "\n".join(p["text"] for p in parts)
 
 
 def _tool_calls(where: str, calls: Any) -> list[dict[str, Any]]:

@@ -48,8 +48,10 @@ class ChatInputs:
     @classmethod
     def from_request(cls, messages: Any, *, tools: Any = None, tool_choice: Any = None,
                      add_generation_prompt: bool = True, continue_final_message: bool = False,
-                     chat_template_kwargs: Any = None) -> ChatInputs:
-        messages = normalize_messages(messages)
+                     chat_template_kwargs: Any = None,
+                     images: list[tuple[str, str]] | None = None) -> ChatInputs:
+        """`images`: where a model that takes images collects the image parts' URLs."""
+        messages = normalize_messages(messages, images)
         tools = normalize_tools(tools)
         check_tool_choice(tool_choice, tools)
         if continue_final_message:

@@ -125,6 +125,10 @@ class RequestRecord:
     """Prompt tokens by origin (system, tools, history, latest turn, scaffolding), if known."""
     moe: dict[str, Any] | None = None
     """An MoE model's routing for this request (`MoEUsage.summary`); None for a dense model."""
+    images: dict[str, Any] | None = None
+    """A request with images: how many, their tokens, and the seconds of their stages (decode
+    and preprocess inside `template`, the tower's encode and projection inside `prefill`),
+    encoder-cache hits; None without images."""
     step_facts: dict[str, Any] | None = None
     """Its share of the engine's steps (`RequestSteps.summary`): `steps`, `queue`,
     `kv_bytes_read_per_token`, `recomputed_tokens`; None if the engine recorded none."""
@@ -134,7 +138,7 @@ class RequestRecord:
               endpoint: str, prompt_tokens: int, cached_tokens: int, completion_tokens: int,
               reasoning_tokens: int = 0, first_answer_token_time: float | None = None,
               finish_reason: str | None, anatomy: dict[str, int] | None,
-              status: int = 200) -> RequestRecord:
+              status: int = 200, images: Sequence[Any] = ()) -> RequestRecord:
         """Combine the server's stamps with the engine's timeline. Missing server stamps
         collapse onto the one before (that stage is 0); missing engine points collapse onto the
         end of the engine's part (see `_engine_end`)."""
@@ -166,7 +170,7 @@ class RequestRecord:
             prompt_tokens=prompt_tokens, cached_tokens=cached_tokens,
             completion_tokens=completion_tokens, reasoning_tokens=reasoning_tokens,
             preemptions=len(timeline.preemptions), write=stamps.stream_s,
-            prompt_anatomy=anatomy,
+            prompt_anatomy=anatomy, images=image_summary(images),
             moe=timeline.moe.summary() if timeline.moe is not None else None,
             step_facts=timeline.steps.summary() if timeline.steps is not None else None)
 
@@ -209,6 +213,8 @@ class RequestRecord:
         out["prompt_anatomy"] = self.prompt_anatomy
         out["reasoning_tokens"] = self.reasoning_tokens
         out.update(self.step_facts or NO_STEP_FACTS)
+        if self.images is not None:
+            out["images"] = self.images
         if self.moe is not None:
             out["moe"] = self.moe
         return out
@@ -231,6 +237,26 @@ class RequestRecord:
             "reasoning_tokens": self.reasoning_tokens, "write_ms": _ms(self.write),
             "timings": self.timings(),
         }, separators=(",", ":"))
+
+
+def image_summary(images: Sequence[Any]) -> dict[str, Any] | None:
+    """What `timings.images` says of a request's images (lifeline.media.inputs.ImageSpan):
+    count, tokens, and each stage's milliseconds summed over them."""
+    if not images:
+        return None
+    total = {k: 0.0 for k in ("decode_s", "preprocess_s", "encode_s", "project_s")}
+    hits = in_kv = 0
+    for img in images:
+        for k in total:
+            total[k] += img.timings.get(k, 0.0)
+        hits += bool(img.timings.get("encoder_cache_hit"))
+        in_kv += "encode_s" not in img.timings and not img.timings.get("encoder_cache_hit")
+    out: dict[str, Any] = {"count": len(images), "tokens": sum(i.num_embeds for i in images),
+                           "frames": sum(i.frames for i in images)}
+    out.update({k[:-2] + "_ms": round(v * 1e3, 3) for k, v in total.items()})
+    out["encoder_cache_hits"] = hits
+    out["prefix_cached"] = in_kv  # every token of it in the prefix cache: no lookup at all
+    return out
 
 
 def combine_timelines(timelines: Sequence[Timeline]) -> Timeline:

@@ -20,7 +20,7 @@ import dataclasses
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,6 +78,7 @@ class _Add:
     fault: str | None = None
     client_id: str | None = None
     choice_index: int | None = None
+    images: tuple = ()
 
 
 @dataclass(slots=True)
@@ -161,15 +162,16 @@ class AsyncEngine(EngineClient):
     async def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, *,
                        arrival: float, cache_salt: str | None = None,
                        deadline: float | None = None, fault: str | None = None,
-                       client_id: str | None = None, choice_index: int | None = None
-                       ) -> AsyncIterator[GenerationOutput]:
+                       client_id: str | None = None, choice_index: int | None = None,
+                       images: Sequence[Any] = ()) -> AsyncIterator[GenerationOutput]:
         if self.error is not None:
             raise _dead(self.error)
         loop = asyncio.get_running_loop()
         sink: asyncio.Queue = asyncio.Queue()
         accepted = loop.create_future()
         self._commands.put(_Add(prompt_ids, params, request_id, arrival, sink, loop, accepted,
-                                cache_salt, deadline, fault, client_id, choice_index))
+                                cache_salt, deadline, fault, client_id, choice_index,
+                                tuple(images)))
         if self.error is not None:  # the loop died before it could take the add, or drained it
             raise _dead(self.error)
         try:
@@ -248,7 +250,7 @@ class AsyncEngine(EngineClient):
             self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.arrival,
                                     cache_salt=cmd.cache_salt, deadline=cmd.deadline,
                                     fault=cmd.fault, client_id=cmd.client_id,
-                                    choice_index=cmd.choice_index)
+                                    choice_index=cmd.choice_index, images=cmd.images)
         except Exception as exc:  # noqa: BLE001 - validation errors go back to the caller
             _call(cmd.loop, _settle, cmd.accepted, exc)
             return
@@ -311,7 +313,7 @@ def _model_info(engine: LLMEngine) -> ModelInfo:
         max_model_len=engine.max_model_len,
         max_model_len_limited_by=engine.max_model_len_reason, context_length=cfg.max_position,
         num_params=cfg.num_params(), num_active_params=cfg.num_active_params(),
-        weight_format=loaded.weight_format)
+        weight_format=loaded.weight_format, vision=cfg.vision)
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> bool:

@@ -3,11 +3,13 @@ back to content, reasoning and tool calls. The work is `lifeline.chat`'s; this f
 server's template and parsers and adapts them to the endpoints."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from lifeline.chat import (
+    ChatError,
     ChatInputs,
     ChatTemplate,
     ReasoningParser,
@@ -34,6 +36,8 @@ class RenderedPrompt:
     text: str
     template: ChatTemplate
     inputs: ChatInputs
+    images: list[Any] = field(default_factory=list)
+    """The request's images in prompt order (lifeline.media.prepare.PreparedImage)."""
 
 
 @dataclass(slots=True)
@@ -100,6 +104,12 @@ class ChatFrontend:
             raise ValueError(f"unknown tool-call parser {config.tool_call_parser!r}")
         self.config = config
         self.tokenizer = tokenizer
+        self.preparer = None
+        """A vision-language model's image path (lifeline.media.prepare); None: text only."""
+        if model.vision is not None:
+            from lifeline.media.prepare import ImagePreparer
+
+            self.preparer = ImagePreparer(model.vision)
         self.template = resolve_template(
             template_file=config.chat_template, gguf_template=_gguf_template(model.source),
             hf_dir=model.source if Path(model.source).is_dir() else None,
@@ -120,13 +130,45 @@ class ChatFrontend:
             self.template, body.chat_template,
             allow_request_template=self.config.allow_request_chat_template)
         messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        urls: list[tuple[str, str]] | None = [] if self.preparer is not None else None
         inputs = ChatInputs.from_request(
             messages, tools=body.tools, tool_choice=body.tool_choice,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
-            chat_template_kwargs=body.chat_template_kwargs)
+            chat_template_kwargs=body.chat_template_kwargs, images=urls)
         inputs = template.escaped(inputs)
-        return RenderedPrompt(template.render_inputs(inputs), template, inputs)
+        text = template.render_inputs(inputs)
+        if not urls:
+            return RenderedPrompt(text, template, inputs)
+        images = [self._image(field_name, url) for field_name, url in
+                  _at_most(urls, self.config.max_images)]
+        try:
+            text = self.preparer.expand_text(text, images)
+        except ValueError as exc:
+            raise ChatError(f"the chat template placed the images wrongly: {exc}") from None
+        return RenderedPrompt(text, template, inputs, images)
+
+    def _image(self, field_name: str, url: str) -> Any:
+        """Decoded and processed under the server's limits, each stage timed."""
+        from lifeline.media.images import ImageLimits, MediaError, decode_image, parse_data_url
+
+        if not url.startswith("data:"):
+            scheme = url.split(":", 1)[0][:16]
+            raise MediaError(f"image URLs with scheme {scheme!r} are not fetched: send the "
+                             "image as a data: URL (data:image/png;base64,...)",
+                             param=field_name, code="unsupported_image_url")
+        t0 = time.perf_counter()
+        declared, data = parse_data_url(url, param=field_name)
+        decoded = decode_image(data, ImageLimits(max_bytes=self.config.max_image_bytes,
+                                                 max_pixels=self.config.max_image_pixels),
+                               declared=declared, param=field_name)
+        return self.preparer.prepare(decoded, {"decode_s": time.perf_counter() - t0})
+
+    def spans(self, prompt: RenderedPrompt, ids: list[int]) -> tuple[Any, ...]:
+        """The prompt's images where its tokens put them (empty for a text prompt)."""
+        if not prompt.images:
+            return ()
+        return tuple(self.preparer.spans(ids, prompt.images))
 
     def encode(self, prompt: RenderedPrompt) -> list[int]:
         if self.tokenizer is None:
@@ -154,3 +196,10 @@ def _gguf_template(source: str) -> str | None:
 
     value = GGUFFile(path).metadata.get("tokenizer.chat_template")
     return value if isinstance(value, str) and value else None
+
+
+def _at_most(urls: list[tuple[str, str]], limit: int) -> list[tuple[str, str]]:
+    if len(urls) > limit:
+        raise ChatError(f"a request may carry at most {limit} images; this one has "
+                        f"{len(urls)}")
+    return urls

@@ -30,6 +30,12 @@ class ServerConfig:
     shutdown_timeout: float = 30.0
     otlp_endpoint: str | None = None
     max_body_bytes: int = 8 << 20
+    max_images: int = 8
+    """Images in one chat request (a vision-language model)."""
+    max_image_bytes: int = 8 << 20
+    """One image's encoded bytes (after base64); the body's own cap bounds them all."""
+    max_image_pixels: int = 33_177_600
+    """One image's width × height, read from its header before it is decoded (8K UHD)."""
     max_n: int = 64
     max_json_depth: int = 64
     request_timeout: float | None = 600.0

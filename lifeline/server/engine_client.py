@@ -5,7 +5,7 @@ another, so nothing here is an in-process type. Outputs are snapshots: what a st
 one never changes as the engine goes on."""
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -42,6 +42,8 @@ class ModelInfo:
     num_active_params: int
     """Weights one token's forward uses (MoE: the top-k experts)."""
     weight_format: str
+    vision: Any = None
+    """A vision-language model's `VisionSpec` (lifeline.model.config); None: text only."""
 
     @property
     def limits(self) -> ModelLimits:
@@ -90,7 +92,8 @@ class EngineClient(Protocol):
     def generate(self, prompt_ids: list[int], params: SamplingParams, request_id: str, *,
                  arrival: float, cache_salt: str | None = None, deadline: float | None = None,
                  fault: str | None = None, client_id: str | None = None,
-                 choice_index: int | None = None) -> AsyncIterator[GenerationOutput]:
+                 choice_index: int | None = None, images: Sequence[Any] = ()
+                 ) -> AsyncIterator[GenerationOutput]:
         """One output per step that gave the request a token; the last is finished. Closing
         the iterator early aborts the request. `client_id` and `choice_index` name the
         response (and its choice) the request serves, for the engine's step log. A request the engine refuses raises

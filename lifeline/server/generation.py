@@ -35,6 +35,8 @@ class Choice:
     cache_salt: str | None = None
     parent: str | None = None
     """The id of the response this choice belongs to."""
+    images: tuple = ()
+    """The prompt's images (lifeline.media.inputs.ImageSpan)."""
 
     @property
     def text(self) -> str:
@@ -170,7 +172,8 @@ class Generation:
                     choice.prompt_ids, choice.params, choice.request_id, arrival=self.arrival,
                     cache_salt=choice.cache_salt, deadline=self.deadline, fault=self.fault,
                     client_id=choice.parent,
-                    choice_index=choice.index if len(self.choices) > 1 else None):
+                    choice_index=choice.index if len(self.choices) > 1 else None,
+                    images=choice.images):
                 if not choice.started:
                     choice.started = True
                     self.admission.started()

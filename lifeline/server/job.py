@@ -28,6 +28,8 @@ class Job:
     response_id: str
     prompts: list[list[int]] = field(default_factory=list)
     rendered: RenderedPrompt | None = None
+    images: tuple = ()
+    """The chat prompt's images (lifeline.media.inputs.ImageSpan), shared by its choices."""
     anatomy: dict[str, int] | None = None
     anatomy_task: asyncio.Future | None = None
     choices: list[Choice] = field(default_factory=list)
@@ -50,7 +52,7 @@ class Job:
             cached_tokens=self.cached_tokens, completion_tokens=self.completion_tokens,
             reasoning_tokens=self.reasoning_tokens, first_answer_token_time=self.first_answer,
             finish_reason=finish[0] if finish and finish[0] else "abort",
-            anatomy=self.anatomy, status=status)
+            anatomy=self.anatomy, status=status, images=self.images)
 
     def start_anatomy(self) -> None:
         """Prompt anatomy renders the template twice more: it runs beside the generation."""

@@ -127,6 +127,7 @@ def _encode(state: ServerState, job: Job) -> None:
         job.rendered = state.chat.render(body)
         stamps.mark("templated")
         job.prompts = [state.chat.encode(job.rendered)]
+        job.images = state.chat.spans(job.rendered, job.prompts[0])
     else:
         stamps.templated = stamps.parsed
         job.prompts = [_tokenize(state, p) for p in body.prompts]
@@ -179,7 +180,7 @@ def _make_choices(job: Job) -> None:
             index = p * body.n + i
             choice = Choice(index, f"{job.response_id}-{index}", ids,
                             child_params(prompt_params, i), cache_salt=salt,
-                            parent=job.response_id)
+                            parent=job.response_id, images=job.images)
             if job.is_chat:
                 choice.state = state.chat.parser(body, job.rendered)
             job.choices.append(choice)

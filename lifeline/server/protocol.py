@@ -65,10 +65,19 @@ def _check_tools_size(tools: list[dict[str, Any]] | None) -> None:
 
 
 def _check_content_size(messages: list[Any]) -> None:
-    size = sum(_json_size(m.content, MAX_PROMPT_CHARS) for m in messages if m.content)
+    """The text of the messages; image parts are bounded by the image limits instead
+    (`ServerConfig.max_images`, `max_image_bytes`) and by the body's size."""
+    size = sum(_json_size(_text_parts(m.content), MAX_PROMPT_CHARS) for m in messages
+               if m.content)
     if size > MAX_PROMPT_CHARS:
         raise ParamError(f"the messages' contents may be at most {MAX_PROMPT_CHARS} characters "
                          "in all", "messages")
+
+
+def _text_parts(content: Any) -> Any:
+    if isinstance(content, list):
+        return [p for p in content if not (isinstance(p, dict) and p.get("type") == "image_url")]
+    return content
 
 
 def _json_size(value: Any, budget: int) -> int:
