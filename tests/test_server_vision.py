@@ -146,6 +146,11 @@ def test_the_image_stages_are_timed_and_a_repeated_image_is_not_encoded_again(vl
     assert images["decode_ms"] > 0 and images["preprocess_ms"] > 0
     assert images["encode_ms"] > 0 and images["encoder_cache_hits"] == 0
     assert first["usage"]["prompt_tokens"] > 20
+    anatomy = first["timings"]["prompt_anatomy"]
+    assert anatomy["images"] == 4 * (2 + 4) + (3 + 4)  # 2 × 2 tiles (marker, tag, 4 image
+    # tokens) and the global image (marker, tag, 4, marker)
+    assert anatomy["total"] == first["usage"]["prompt_tokens"]
+    assert sum(v for k, v in anatomy.items() if k != "total") == anatomy["total"]
     # the same request again: the prefix cache holds all of the image's tokens
     again = httpx.post(srv.base_url + "/v1/chat/completions", json=body, timeout=60).json()
     assert again["timings"]["images"]["prefix_cached"] == 1

@@ -3,6 +3,7 @@ back to content, reasoning and tool calls. The work is `lifeline.chat`'s; this f
 server's template and parsers and adapts them to the endpoints."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -176,7 +177,20 @@ class ChatFrontend:
         return encode_prompt(self.tokenizer, prompt.text)
 
     def anatomy(self, prompt: RenderedPrompt, ids: list[int]) -> dict[str, int]:
-        return anatomy_of_inputs(prompt.template, self.tokenizer, prompt.inputs, ids).as_dict()
+        """Prompt tokens by origin; with images, an `images` part: the images' placeholders
+        (their tokens and the markers around them), the rest split as the text alone."""
+        if not prompt.images:
+            return anatomy_of_inputs(prompt.template, self.tokenizer, prompt.inputs,
+                                     ids).as_dict()
+        messages = [{**m, "content": "".join(p.get("text", "") for p in m["content"])}
+                    if isinstance(m.get("content"), list) else m for m in prompt.inputs.messages]
+        text = dataclasses.replace(prompt.inputs, messages=messages)
+        out = anatomy_of_inputs(prompt.template, self.tokenizer, text).as_dict()
+        out["images"] = sum(len(self.tokenizer.encode(p.placeholder, add_special_tokens=False))
+                            for p in prompt.images)
+        out["template"] += len(ids) - out["total"] - out["images"]  # what joining moved
+        out["total"] = len(ids)
+        return out
 
     def parser(self, body: Any, prompt: RenderedPrompt) -> OutputParser:
         reasoning = None
