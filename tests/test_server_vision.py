@@ -198,3 +198,26 @@ def test_too_many_images_is_a_400(vlm):
     r = httpx.post(srv.base_url + "/v1/chat/completions", timeout=30, json={
         "model": "vlm", "max_tokens": 2, "messages": [{"role": "user", "content": parts}]})
     assert r.status_code == 400 and "at most 2 images" in r.json()["error"]["message"]
+
+
+def test_the_bench_sends_synthetic_images(vlm):
+    """`lifeline bench --images 1 --image-size 40x30` against the server: every request carries
+    its own picture, and the server's usage counts the image's tokens."""
+    import asyncio
+
+    from lifeline.bench.run import BenchSettings, run_bench, synthetic_image_url
+
+    srv, *_ = vlm
+    assert synthetic_image_url(40, 30, 1) == synthetic_image_url(40, 30, 1)
+    assert synthetic_image_url(40, 30, 1) != synthetic_image_url(40, 30, 2)
+    r = asyncio.run(run_bench(BenchSettings(
+        url=srv.base_url + "/v1", endpoint="chat", images=1, image_size="40x30", requests=3,
+        input_tokens=8, output_tokens=3, tokenizer=None)))
+    records = [x for x in r["requests"] if x["ok"]]
+    assert len(records) == 3 and r["settings"]["images"] == 1
+    for x in records:
+        # 40 × 30 → 64 × 48 → 2 × 2 tiles of 32 and the whole image: 31 placeholder tokens
+        assert x["usage_prompt_tokens"] >= x["expected_prompt_tokens"] + 31
+        assert x["timings_raw"]["images"]["count"] == 1
+    with pytest.raises(ValueError, match="--images needs --endpoint chat"):
+        BenchSettings(url=srv.base_url, images=1)

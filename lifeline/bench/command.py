@@ -52,6 +52,9 @@ def _load_args(load: argparse._ArgumentGroup) -> None:
 def _workload_args(work: argparse._ArgumentGroup) -> None:
     work.add_argument("--input-tokens", type=int, default=128)
     work.add_argument("--output-tokens", type=int, default=128)
+    work.add_argument("--images", type=int, default=0,
+                      help="chat: this many synthetic images (PNG data URLs) in every request")
+    work.add_argument("--image-size", default="512x512", help="WxH of the synthetic images")
     work.add_argument("--long-context", action="store_true",
                       help="prompts fill the server's context (less the output and 16 tokens)")
     work.add_argument("--length-dist", choices=["fixed", "uniform", "normal", "conversation"],
@@ -138,6 +141,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         prefix_groups=args.prefix_groups, prefix_tokens=args.prefix_tokens,
         dataset=args.dataset, tokenizer=args.tokenizer, pin_output=not args.no_pin_output,
         exact_tokens=args.exact_tokens, long_context=args.long_context,
+        images=args.images, image_size=args.image_size,
         slo=args.slo, slo_attainment=parse_fraction(args.slo_attainment), seed=args.seed,
         timeout_s=args.timeout, api_key=args.api_key, admin_key=args.admin_key)
     settings.plan()

@@ -66,6 +66,10 @@ class BenchSettings:
     slo_attainment: float = 0.9
     seed: int = 0
     timeout_s: float = 600.0
+    images: int = 0
+    """Synthetic images (deterministic PNG `data:` URLs, distinct per request) in each chat
+    request, after its text."""
+    image_size: str = "512x512"
     api_key: str | None = None
     admin_key: str | None = None
     """Sent to read the server's step log (`/debug/steps`) when its API keys guard it."""
@@ -79,6 +83,10 @@ class BenchSettings:
             raise ValueError("multi-turn sessions (--turns) need --endpoint chat")
         if self.prefix_groups and self.prefix_tokens >= self.input_tokens:
             raise ValueError("the shared prefix must be shorter than the input")
+        if self.images:
+            if self.endpoint != "chat" or self.turns > 1 or self.dataset:
+                raise ValueError("--images needs --endpoint chat, one turn and no --dataset")
+            image_dims(self.image_size)
 
     def plan(self) -> LoadPlan:
         closed = self.rate is None
@@ -127,9 +135,45 @@ async def build_workload(settings: BenchSettings, client: BenchClient) -> list:
     pairs = conversation.load_pairs(settings.length_file) if settings.length_file else ()
     lengths = Lengths(settings.input_tokens, settings.output_tokens, settings.length_dist,
                       settings.length_spread, pairs)
-    return await random_requests(tk, lengths, count, chat=settings.endpoint == "chat",
-                                 seed=settings.seed, prefix_groups=settings.prefix_groups,
-                                 prefix_tokens=settings.prefix_tokens)
+    requests = await random_requests(tk, lengths, count, chat=settings.endpoint == "chat",
+                                     seed=settings.seed, prefix_groups=settings.prefix_groups,
+                                     prefix_tokens=settings.prefix_tokens)
+    if settings.images:
+        width, height = image_dims(settings.image_size)
+        for i, req in enumerate(requests):
+            parts = [{"type": "text", "text": req.prompt}] + [
+                {"type": "image_url", "image_url": {"url": synthetic_image_url(
+                    width, height, settings.seed * 1_000_003 + i * settings.images + k)}}
+                for k in range(settings.images)]
+            req.extra["messages"] = [{"role": "user", "content": parts}]
+    return requests
+
+
+def image_dims(text: str) -> tuple[int, int]:
+    try:
+        width, height = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"--image-size is WxH (e.g. 512x512), not {text!r}") from None
+    if not (1 <= width <= 8192 and 1 <= height <= 8192):
+        raise ValueError("--image-size sides are 1 to 8,192 pixels")
+    return width, height
+
+
+def synthetic_image_url(width: int, height: int, seed: int) -> str:
+    """A deterministic picture (gradients, a checker and noise) as a PNG data URL."""
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    rgb = np.stack([x * 255 // max(width, 1), y * 255 // max(height, 1),
+                    ((x // 16 + y // 16) % 2) * 180], -1) + rng.integers(-24, 25, (height, width, 3))
+    buf = io.BytesIO()
+    Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8), "RGB").save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
 
 
 async def run_bench(settings: BenchSettings,

@@ -189,7 +189,8 @@ def load_preset(name: str, seed: int = 0) -> LoadedModel:
     cfg = preset_config(name)
     model = build_model(cfg)
     init_dummy_weights(model, seed)
-    return LoadedModel(model.eval(), cfg, None, f"preset:{name}", "dummy-f32")
+    tower = build_vision(cfg).eval() if cfg.vision else None  # torch's random initialisation
+    return LoadedModel(model.eval(), cfg, None, f"preset:{name}", "dummy-f32", tower)
 
 
 def load_model(path: str | Path | None = None, dummy: bool = False) -> LoadedModel:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from lifeline.model.config import ModelConfig, gemma3_layer_types
+from lifeline.model.config import ModelConfig, VisionSpec, gemma3_layer_types
 from lifeline.model.registry import build_model
 
 if TYPE_CHECKING:
@@ -125,7 +125,34 @@ SCALED: dict[str, dict[str, Any]] = {
                                  "intermediate_size": _TOP_K * _EXPERT_WIDTH},
 }
 
-PRESETS = {**FULL, **SCALED}
+_SIGLIP_512 = {"hidden_size": 768, "intermediate_size": 3072, "num_hidden_layers": 12,
+               "num_attention_heads": 12, "image_size": 512, "patch_size": 16,
+               "layer_norm_eps": 1e-6}
+_SIGLIP_SO400M = {"hidden_size": 1152, "intermediate_size": 4304, "num_hidden_layers": 27,
+                  "num_attention_heads": 16, "image_size": 896, "patch_size": 14,
+                  "layer_norm_eps": 1e-6}
+VISION: dict[str, dict[str, Any]] = {
+    # Vision-language: the published configurations (HuggingFaceTB/SmolVLM-256M-Instruct, a
+    # SmolLM2-135M decoder; google/gemma-3-4b-it), for dummy-weight studies of the encoder.
+    "smolvlm-256m": {
+        "architecture": "llama", "vocab_size": 49280, "hidden_size": 576, "num_layers": 30,
+        "num_heads": 9, "num_kv_heads": 3, "head_dim": 64, "intermediate_size": 1536,
+        "rms_norm_eps": 1e-5, "rope_theta": 100000.0, "max_position": 8192,
+        "tie_word_embeddings": True,
+        "vision": VisionSpec("idefics3", _SIGLIP_512, 49190, "<image>", scale_factor=4,
+                             tokens_per_image=64,
+                             processor={"size": {"longest_edge": 2048},
+                                        "max_image_size": {"longest_edge": 512},
+                                        "resample": 1})},
+    "gemma-3-4b": {
+        **_gemma3(2560, 34, 8, 4, 256, 10240, 1024, 262208, 131072),
+        "vision": VisionSpec("gemma3", _SIGLIP_SO400M, 262144, "<start_of_image>",
+                             tokens_per_image=256, bidirectional=True,
+                             processor={"size": {"height": 896, "width": 896},
+                                        "resample": 2})},
+}
+
+PRESETS = {**FULL, **SCALED, **VISION}
 
 
 def preset_config(name: str) -> ModelConfig:
