@@ -163,6 +163,9 @@ def test_the_image_stages_are_timed_and_a_repeated_image_is_not_encoded_again(vl
     assert moved["timings"]["images"]["encoder_cache_hits"] == 1
     assert moved["timings"]["images"]["encode_ms"] == 0
     assert moved["usage"]["prompt_tokens_details"]["cached_tokens"] < 4
+    metrics = httpx.get(srv.base_url + "/metrics", timeout=10).text
+    assert 'lifeline:request_image_stage_seconds_count{model_name="vlm",stage="encode"}' in metrics
+    assert 'lifeline:encoder_cache_hits_total{model_name="vlm"}' in metrics
 
 
 @pytest.mark.parametrize("part,code", [

@@ -80,6 +80,8 @@ class Metrics:
         self.preemptions = self._counter("num_preemptions",
                                          "Requests preempted (to be recomputed).", label)
         self._moe: _MoEMetrics | None = None
+        self._images: _ImageMetrics | None = None
+        """Made when the first request with images finishes (a text model shows none)."""
         self._success = Counter("lifeline:request_success", "Finished requests by reason.",
                                 ["model_name", "finished_reason"], registry=self.registry)
         self._model_name = model_name
@@ -97,6 +99,11 @@ class Metrics:
         self.e2e.observe(record.e2e)
         self.prompt_tokens.inc(record.prompt_tokens)
         self.generation_tokens.inc(record.completion_tokens)
+        if record.images is not None:
+            with self._lock:
+                if self._images is None:
+                    self._images = _ImageMetrics(self.registry, self._model_name)
+            self._images.observe(record.images)
         reason = record.finish_reason or "abort"
         self._success.labels(self._model_name, reason).inc()
 
@@ -199,3 +206,33 @@ def _few(values: tuple[float, ...], most: int = 16) -> tuple[float, ...]:
         return values
     step = len(values) / most
     return tuple(sorted({values[int(i * step)] for i in range(most)} | {values[-1]}))
+
+
+class _ImageMetrics:
+    """A vision-language model's images: each request's time in each image stage (decode and
+    preprocess inside `template`, the tower's encode and projection inside `prefill`), images
+    and their tokens, encoder-cache hits."""
+
+    STAGES = ("decode", "preprocess", "encode", "project")
+
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        self.stage = Histogram("lifeline:request_image_stage_seconds",
+                               "A request's time in one stage of its images, all of them.",
+                               ["model_name", "stage"], buckets=STAGE_BUCKETS,
+                               registry=registry)
+        self.images = Counter("lifeline:images", "Images in finished requests.",
+                              ["model_name"], registry=registry).labels(model_name)
+        self.tokens = Counter("lifeline:image_tokens", "Image tokens in finished requests.",
+                              ["model_name"], registry=registry).labels(model_name)
+        self.hits = Counter("lifeline:encoder_cache_hits",
+                            "Images whose embeddings the encoder cache held.",
+                            ["model_name"], registry=registry).labels(model_name)
+        self.model_name = model_name
+
+    def observe(self, summary: dict[str, Any]) -> None:
+        for stage in self.STAGES:
+            self.stage.labels(self.model_name, stage).observe(
+                summary.get(f"{stage}_ms", 0.0) / 1e3)
+        self.images.inc(summary.get("count", 0))
+        self.tokens.inc(summary.get("tokens", 0))
+        self.hits.inc(summary.get("encoder_cache_hits", 0))
