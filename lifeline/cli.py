@@ -151,6 +151,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--salt-cache-by-api-key", action="store_true",
                    help="salt every request's prefix cache by its API key: tenants never share "
                         "cached blocks")
+    p.add_argument("--allowed-media-domains", nargs="*", default=[],
+                   help="a vision model: fetch http(s) image URLs from these domains (and "
+                        "their subdomains), public addresses only (default: no fetching)")
     p.add_argument("--allowed-origins", nargs="*", default=[],
                    help="CORS origins allowed (default: CORS off; '*' for any)")
     p.add_argument("--allowed-methods", nargs="*", default=["*"], help="CORS methods")
@@ -392,7 +395,8 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         salt_cache_by_api_key=args.salt_cache_by_api_key,
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-        enable_fault_injection=args.enable_fault_injection, engine=engine)
+        enable_fault_injection=args.enable_fault_injection,
+        allowed_media_domains=args.allowed_media_domains, engine=engine)
 
 
 def _json_object(text: str) -> dict:

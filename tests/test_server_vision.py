@@ -224,3 +224,19 @@ def test_the_bench_sends_synthetic_images(vlm):
         assert x["timings_raw"]["images"]["count"] == 1
     with pytest.raises(ValueError, match="--images needs --endpoint chat"):
         BenchSettings(url=srv.base_url, images=1)
+
+
+def test_an_image_url_on_an_allowed_domain_is_still_refused_on_loopback(vlm):
+    """--allowed-media-domains localhost: the name is allowed, its address (loopback) is not."""
+    import dataclasses
+
+    srv, model, path, _ = vlm
+    config = dataclasses.replace(srv.config, allowed_media_domains=["localhost"])
+    with ServerThread(load_model(path), config) as other:
+        r = httpx.post(other.base_url + "/v1/chat/completions", timeout=30, json={
+            "model": "vlm", "max_tokens": 2, "messages": [{"role": "user", "content": [
+                {"type": "image_url",
+                 "image_url": {"url": f"{other.base_url}/health".replace("127.0.0.1",
+                                                                         "localhost")}}]}]})
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "image_url_forbidden"

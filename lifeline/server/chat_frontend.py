@@ -110,7 +110,11 @@ class ChatFrontend:
         if model.vision is not None:
             from lifeline.media.prepare import ImagePreparer
 
+            from lifeline.media.fetch import FetchPolicy
+
             self.preparer = ImagePreparer(model.vision)
+            self.fetch_policy = FetchPolicy(tuple(config.allowed_media_domains),
+                                            config.max_image_bytes, config.media_fetch_timeout_s)
         self.template = resolve_template(
             template_file=config.chat_template, gguf_template=_gguf_template(model.source),
             hf_dir=model.source if Path(model.source).is_dir() else None,
@@ -151,19 +155,27 @@ class ChatFrontend:
 
     def _image(self, field_name: str, url: str) -> Any:
         """Decoded and processed under the server's limits, each stage timed."""
+        from lifeline.media.fetch import fetch_image
         from lifeline.media.images import ImageLimits, MediaError, decode_image, parse_data_url
 
-        if not url.startswith("data:"):
-            scheme = url.split(":", 1)[0][:16]
-            raise MediaError(f"image URLs with scheme {scheme!r} are not fetched: send the "
-                             "image as a data: URL (data:image/png;base64,...)",
-                             param=field_name, code="unsupported_image_url")
+        timings = {}
         t0 = time.perf_counter()
-        declared, data = parse_data_url(url, param=field_name)
+        if url.startswith("data:"):
+            declared, data = parse_data_url(url, param=field_name)
+        elif url.split(":", 1)[0].lower() in ("http", "https"):
+            declared, data = None, fetch_image(url, self.fetch_policy, param=field_name)
+            timings["fetch_s"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+        else:
+            scheme = url.split(":", 1)[0][:16]
+            raise MediaError(f"image URLs with scheme {scheme!r} are not fetched: send a "
+                             "data: URL (data:image/png;base64,...)", param=field_name,
+                             code="unsupported_image_url")
         decoded = decode_image(data, ImageLimits(max_bytes=self.config.max_image_bytes,
                                                  max_pixels=self.config.max_image_pixels),
                                declared=declared, param=field_name)
-        return self.preparer.prepare(decoded, {"decode_s": time.perf_counter() - t0})
+        timings["decode_s"] = time.perf_counter() - t0
+        return self.preparer.prepare(decoded, timings)
 
     def spans(self, prompt: RenderedPrompt, ids: list[int]) -> tuple[Any, ...]:
         """The prompt's images where its tokens put them (empty for a text prompt)."""

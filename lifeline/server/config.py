@@ -36,6 +36,10 @@ class ServerConfig:
     """One image's encoded bytes (after base64); the body's own cap bounds them all."""
     max_image_pixels: int = 33_177_600
     """One image's width × height, read from its header before it is decoded (8K UHD)."""
+    allowed_media_domains: list[str] = field(default_factory=list)
+    """Domains whose http(s) image URLs are fetched (and their subdomains), public addresses
+    only (lifeline.media.fetch); empty: image URLs must be data: URLs."""
+    media_fetch_timeout_s: float = 10.0
     max_n: int = 64
     max_json_depth: int = 64
     request_timeout: float | None = 600.0
