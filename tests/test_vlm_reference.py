@@ -253,3 +253,34 @@ def test_gemma3_greedy_identical_to_transformers(gemma3_vlm):
                                  token_type_ids=(ids_t == G_IMAGE).long(),
                                  max_new_tokens=6, do_sample=False)[0, len(ids):].tolist()
         assert result.token_ids == ref
+
+
+def test_the_encoder_budget_spreads_images_over_steps(smolvlm):
+    """Two requests with a 40-token image each (10 frames × 4) and a 48-token encoder budget:
+    the first step encodes one image and takes the second request's text only up to its
+    image; the outputs are those of a roomy budget."""
+    model, path = smolvlm
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+    outputs = []
+    for budget in (None, 48):
+        probe = LLM(path, max_num_batched_tokens=512, block_size=4,
+                    max_num_encoder_tokens=budget)
+        preparer = ImagePreparer(probe.loaded.config.vision)
+        cases = [_prompt(preparer, [_picture(40, 40, s)], [6, 3], seed=s) for s in (11, 12)]
+        assert [c[1][0].num_embeds for c in cases] == [40, 40]
+        for ids, spans, _ in cases:
+            probe.engine.add_request(ids, params, images=spans)
+        first = probe.engine.scheduler.schedule(0.0)
+        second = first.scheduled[1]
+        if budget:
+            assert first.encoder_tokens == 40
+            assert second.start + second.num_new_tokens == cases[1][1][0].offset
+        else:
+            assert first.encoder_tokens == 80
+            assert second.num_new_tokens == len(cases[1][0])
+        llm = LLM(path, max_num_batched_tokens=512, block_size=4,
+                  max_num_encoder_tokens=budget)
+        got = llm.generate([{"prompt_token_ids": ids, "images": spans}
+                            for ids, spans, _ in cases], params)
+        outputs.append([g.token_ids for g in got])
+    assert outputs[0] == outputs[1]

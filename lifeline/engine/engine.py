@@ -68,6 +68,8 @@ class EngineConfig:
     eager): fused small kernels and a faster decode (docs/performance.md), a compile at the
     start (`LLMEngine.warmup`). The command line's `serve` defaults to it."""
 
+    max_num_encoder_tokens: int | None = None
+    """Image tokens one step may encode (vLLM's encoder budget); None: the token budget."""
     encoder_cache_mib: int = 512
     """Image embeddings the encoder cache keeps (a vision-language model), by image hash."""
     step_log_size: int = 4096
@@ -150,7 +152,10 @@ class LLMEngine:
         max_len = self._clamp_model_len(config.max_model_len, mcfg.max_position)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_len,
-                            whole_images=bool(mcfg.vision and mcfg.vision.bidirectional)),
+                            whole_images=bool(mcfg.vision and mcfg.vision.bidirectional),
+                            max_num_encoder_tokens=config.max_num_encoder_tokens,
+                            encoder_cache_tokens=(config.encoder_cache_mib << 20)
+                            // (4 * mcfg.hidden_size)),
             self.block_manager)
         self.executor: Executor = (executor or self._model_executor)(layout)
         self.recorder = StepRecorder(layout, config.max_num_seqs, config.max_num_batched_tokens,

@@ -7,7 +7,7 @@ with virtual time.
 """
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from lifeline.engine.block_manager import BlockManager, KVCacheBlocks, KVCacheManager
@@ -25,6 +25,13 @@ class SchedulerConfig:
     """Never end a prefill chunk inside an image's tokens: a model whose image tokens attend
     to each other both ways (Gemma 3) must compute an image in one chunk, over the token
     budget where the budget left is smaller than the image."""
+
+    max_num_encoder_tokens: int | None = None
+    """Image tokens a step may encode (vLLM's encoder budget; None: `max_num_batched_tokens`).
+    A chunk that would need more is cut before the first image over it; an image larger than
+    the budget is encoded in a step that encodes nothing else."""
+    encoder_cache_tokens: int = 1 << 20
+    """Image tokens the scheduler counts as encoded (the encoder cache's size in rows)."""
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -49,8 +56,13 @@ class SchedulerOutput:
     preempted: list[Request] = field(default_factory=list)
     limit: str | None = None
     """What kept waiting requests out of this step: 'max_num_seqs' (the batch was full),
-    'kv_cache' (the head's blocks did not fit, or running requests were preempted) or
-    'token_budget' (the step's tokens were spent); None when nothing waited or all fit."""
+    'kv_cache' (the head's blocks did not fit, or running requests were preempted),
+    'token_budget' (the step's tokens were spent) or 'encoder_budget' (its image tokens
+    were); None when nothing waited or all fit."""
+    encoder_tokens: int = 0
+    """Image tokens this step encodes (images its chunks reach that are not yet encoded)."""
+    encoding: set[str] = field(default_factory=set)
+    """Their hashes."""
 
     @property
     def num_tokens(self) -> int:
@@ -68,6 +80,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.encoded: OrderedDict[str, int] = OrderedDict()
+        """Images counted as encoded (hash → tokens), least recently used first: the
+        executor's encoder cache as the budget sees it (an image it evicted sooner is
+        encoded again, correctly, just off the budget)."""
+        self.encoder_budget = config.max_num_encoder_tokens or config.max_num_batched_tokens
 
     def add_request(self, req: Request) -> None:
         capacity = self.kv.capacity_tokens()
@@ -98,8 +115,11 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
-            if req.images and self.config.whole_images:
-                num_new = self._whole_images(req, req.num_computed_tokens, num_new, budget)
+            if req.images:
+                num_new = self._image_chunk(req, req.num_computed_tokens, num_new, budget, out)
+                if not num_new:
+                    i += 1
+                    continue
             while not self.kv.allocate(req, num_new):
                 victim = self.running[-1]
                 self._preempt(victim, now)
@@ -121,6 +141,8 @@ class Scheduler:
             if self.waiting[0].suspect:
                 return None  # it runs alone, in a step of its own
             num_new = self._admit_head(out, budget, now)
+            if num_new < 0:
+                return "encoder_budget"
             if not num_new:
                 return "kv_cache"
             budget -= num_new
@@ -128,14 +150,17 @@ class Scheduler:
 
     def _admit_head(self, out: SchedulerOutput, budget: int, now: float) -> int:
         """Move the head of the queue to running with up to `budget` tokens this step; the
-        tokens scheduled, 0 when its blocks do not fit."""
+        tokens scheduled, 0 when its blocks do not fit, -1 when the step's encoder budget
+        cannot take its first image."""
         req = self.waiting[0]
         fresh = req.num_computed_tokens == 0 and not req.want_prompt_logits
         prefix = self.kv.find_cached_prefix(req) if fresh else []
         cached = len(prefix) * self.kv.block_size
         num_new = min(req.num_tokens - cached, budget)
-        if req.images and self.config.whole_images:
-            num_new = self._whole_images(req, cached, num_new, budget)
+        if req.images:
+            num_new = self._image_chunk(req, cached, num_new, budget, out)
+            if not num_new:
+                return -1
         if not self.kv.allocate(req, num_new, prefix):
             return 0
         self.waiting.popleft()
@@ -147,6 +172,33 @@ class Scheduler:
         self.running.append(req)
         out.scheduled.append(self._scheduled(req, num_new))
         return num_new
+
+    def _image_chunk(self, req: Request, start: int, num_new: int, budget: int,
+                     out: SchedulerOutput) -> int:
+        """The chunk of a request with images: whole images where the model needs them, and
+        within the step's encoder budget (0: not this step)."""
+        if self.config.whole_images:
+            num_new = self._whole_images(req, start, num_new, budget)
+        end = start + num_new
+        for img in req.images:
+            if img.end <= start or img.offset >= end or img.hash in self.encoded \
+                    or img.hash in out.encoding:
+                continue
+            if out.encoder_tokens and out.encoder_tokens + img.num_embeds > self.encoder_budget:
+                return max(img.offset - start, 0)
+            out.encoder_tokens += img.num_embeds
+            out.encoding.add(img.hash)
+        return num_new
+
+    def _remember_images(self, req: Request, start: int, end: int) -> None:
+        for img in req.images:
+            if img.end <= start or img.offset >= end:
+                continue
+            self.encoded[img.hash] = img.num_embeds
+            self.encoded.move_to_end(img.hash)
+        total = sum(self.encoded.values())
+        while total > self.config.encoder_cache_tokens and len(self.encoded) > 1:
+            total -= self.encoded.popitem(last=False)[1]
 
     def _whole_images(self, req: Request, start: int, num_new: int, budget: int) -> int:
         """`num_new` cut back to the start of an image the chunk would end inside; a chunk
@@ -175,6 +227,8 @@ class Scheduler:
 
     def _scheduled(self, req: Request, num_new: int) -> ScheduledRequest:
         start = req.num_computed_tokens
+        if req.images:
+            self._remember_images(req, start, start + num_new)
         return ScheduledRequest(req, num_new, start, start + num_new == req.num_tokens,
                                 self.kv.get_blocks(req))
 
