@@ -145,6 +145,7 @@ def test_the_image_stages_are_timed_and_a_repeated_image_is_not_encoded_again(vl
     assert images["count"] == 1 and images["frames"] == 5 and images["tokens"] == 20
     assert images["decode_ms"] > 0 and images["preprocess_ms"] > 0
     assert images["encode_ms"] > 0 and images["encoder_cache_hits"] == 0
+    assert images["splice_ms"] > 0 and images["fetch_ms"] == 0
     assert first["usage"]["prompt_tokens"] > 20
     anatomy = first["timings"]["prompt_anatomy"]
     assert anatomy["images"] == 4 * (2 + 4) + (3 + 4)  # 2 × 2 tiles (marker, tag, 4 image
@@ -240,3 +241,38 @@ def test_an_image_url_on_an_allowed_domain_is_still_refused_on_loopback(vlm):
                                                                          "localhost")}}]}]})
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "image_url_forbidden"
+
+
+def test_the_dashboard_shows_an_image_requests_stages(vlm):
+    """In Debian's chromium: the request's detail names its image stages, no console errors."""
+    import shutil
+
+    sync_api = pytest.importorskip("playwright.sync_api")
+    chromium = shutil.which("chromium")
+    if chromium is None:
+        pytest.skip("the browser test needs Debian's chromium (apt-get install -y chromium)")
+    srv, *_ = vlm
+    data, _ = _png(50, 30, 9)
+    answer = httpx.post(srv.base_url + "/v1/chat/completions", timeout=60, json={
+        "model": "vlm", "max_tokens": 2, "messages": [{"role": "user", "content": [
+            {"type": "text", "text": WORD_LIST[30]},
+            {"type": "image_url", "image_url": {"url": _url(data)}}]}]}).json()
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, headless=True,
+                                    args=["--no-sandbox"])
+        try:
+            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            problems = []
+            page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: problems.append(f"uncaught: {e}"))
+            page.goto(srv.base_url + "/dashboard")
+            row = f'.row[data-request-id="{answer["id"]}"][data-state="finished"]'
+            page.wait_for_selector(row, timeout=30000)
+            page.click(f"{row} .id")
+            note = page.locator(".stage-notes li", has_text="Images:")
+            note.wait_for(timeout=30000)
+            text = note.inner_text()
+        finally:
+            browser.close()
+    assert "Images: 1 (" in text and "image tokens" in text and "encoder" in text
+    assert problems == []

@@ -1,6 +1,7 @@
 """Runs one scheduled step on the model: flattened inputs, paged KV pool, logits where needed."""
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -216,11 +217,16 @@ class ModelRunner:
             if inputs.image_embeds is None:
                 return self.forward(inputs.input_ids.to(dev), inputs.positions.to(dev))
             # a step with image tokens runs eager: its input embeddings are spliced here
+            t0 = time.perf_counter()
             ids = inputs.input_ids.to(dev)
             x = self.model.embed(ids)
             rows = torch.tensor([r for *_, step_rows in inputs.images for r in step_rows],
                                 dtype=torch.long, device=dev)
             x = x.index_copy(0, rows, inputs.image_embeds.to(dev, x.dtype))
+            splice = time.perf_counter() - t0
+            for _, img, img_rows, _ in inputs.images:  # each image its share of the splice
+                img.timings["splice_s"] = img.timings.get("splice_s", 0.0) + splice * len(
+                    img_rows) / rows.numel()
             return self.model(ids, inputs.positions.to(dev), inputs_embeds=x)
 
     def _logits(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -213,7 +213,7 @@ class _ImageMetrics:
     preprocess inside `template`, the tower's encode and projection inside `prefill`), images
     and their tokens, encoder-cache hits."""
 
-    STAGES = ("fetch", "decode", "preprocess", "encode", "project")
+    STAGES = ("fetch", "decode", "preprocess", "encode", "project", "splice")
 
     def __init__(self, registry: CollectorRegistry, model_name: str):
         self.stage = Histogram("lifeline:request_image_stage_seconds",

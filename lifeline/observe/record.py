@@ -244,7 +244,8 @@ def image_summary(images: Sequence[Any]) -> dict[str, Any] | None:
     count, tokens, and each stage's milliseconds summed over them."""
     if not images:
         return None
-    total = {k: 0.0 for k in ("fetch_s", "decode_s", "preprocess_s", "encode_s", "project_s")}
+    total = {k: 0.0 for k in ("fetch_s", "decode_s", "preprocess_s", "encode_s", "project_s",
+                              "splice_s")}
     hits = in_kv = 0
     for img in images:
         for k in total:

@@ -542,6 +542,15 @@
         notes.push(`${fmtInt(steps.decode_steps_with_prefill)} decode steps also carried ${fmtInt(steps.others_prefill_tokens)} prefill tokens of other requests`);
       }
     }
+    const im = t.images;
+    if (im) {
+      const before = [im.fetch_ms ? `fetch ${fmtMs(im.fetch_ms)}` : "", `decode ${fmtMs(im.decode_ms)}`,
+        `preprocess ${fmtMs(im.preprocess_ms)}`].filter(Boolean).join(", ");
+      notes.push(`Images: ${fmtInt(im.count)} (${fmtInt(im.frames)} frames, ${fmtInt(im.tokens)} image tokens): ${before} in template; ` +
+        `encoder ${fmtMs(im.encode_ms)}, projector ${fmtMs(im.project_ms)}, splice ${fmtMs(im.splice_ms)} in prefill` +
+        (im.encoder_cache_hits ? `; ${fmtInt(im.encoder_cache_hits)} from the encoder cache` : "") +
+        (im.prefix_cached ? `; ${fmtInt(im.prefix_cached)} wholly in the prefix cache` : ""));
+    }
     if (t.kv_bytes_read_per_token) notes.push(`KV read per output token: ${(t.kv_bytes_read_per_token / 1e6).toFixed(2)} MB`);
     if (t.preemptions) notes.push(`Preempted ${t.preemptions}×, ${fmtInt(t.recomputed_tokens)} tokens recomputed`);
     return notes.length ? el("ul", { class: "stage-notes" }, notes.map((text) => el("li", { text }))) : "";
