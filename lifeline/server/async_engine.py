@@ -250,7 +250,8 @@ class AsyncEngine(EngineClient):
             self.engine.add_request(cmd.prompt, cmd.params, cmd.request_id, cmd.arrival,
                                     cache_salt=cmd.cache_salt, deadline=cmd.deadline,
                                     fault=cmd.fault, client_id=cmd.client_id,
-                                    choice_index=cmd.choice_index, images=cmd.images)
+                                    choice_index=cmd.choice_index,
+                                    **({"images": cmd.images} if cmd.images else {}))
         except Exception as exc:  # noqa: BLE001 - validation errors go back to the caller
             _call(cmd.loop, _settle, cmd.accepted, exc)
             return
