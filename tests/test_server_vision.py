@@ -178,6 +178,7 @@ def test_the_image_stages_are_timed_and_a_repeated_image_is_not_encoded_again(vl
      "unsupported_image_url"),
     ({"type": "image_url", "image_url": {"url": "data:text/html;base64,PGI+"}},
      "unsupported_media_type"),
+    ({"type": "image_url", "image_url": {"url": 5}}, "invalid_value"),  # the wrong type
 ])
 def test_bad_images_are_400s_and_the_server_goes_on(vlm, part, code):
     srv, *_ = vlm

@@ -60,16 +60,16 @@ def _picture(width: int, height: int, seed: int) -> DecodedImage:
     return DecodedImage(im, pixel_hash(im), "PNG", 0, "RGB")
 
 
-def _prompt(preparer, pictures, text_lengths, seed=0):
+def _prompt(preparer, pictures, text_lengths, seed=0, marker=IMAGE, specials=SPECIALS):
     """Text ids around one marker per picture, expanded; (ids, spans, pixel_values)."""
     rng = np.random.default_rng(seed)
     ids: list[int] = []
     for i, n in enumerate(text_lengths):
         ids.extend(int(t) for t in rng.integers(11, 190, n))
         if i < len(pictures):
-            ids.append(IMAGE)
+            ids.append(marker)
     prepared = [preparer.prepare(p) for p in pictures]
-    ids = preparer.expand_ids(ids, prepared, SPECIALS, _encode)
+    ids = preparer.expand_ids(ids, prepared, specials, _encode)
     spans = preparer.spans(ids, prepared)
     pixels = torch.cat([torch.from_numpy(p.processed.pixel_values) for p in prepared])
     return ids, spans, pixels
@@ -193,17 +193,7 @@ def gemma3_vlm(tmp_path_factory):
 
 
 def _gemma_prompt(preparer, pictures, text_lengths, seed=0):
-    rng = np.random.default_rng(seed)
-    ids: list[int] = []
-    for i, n in enumerate(text_lengths):
-        ids.extend(int(t) for t in rng.integers(11, 190, n))
-        if i < len(pictures):
-            ids.append(G_BOI)
-    prepared = [preparer.prepare(p) for p in pictures]
-    ids = preparer.expand_ids(ids, prepared, G_SPECIALS, _encode)
-    spans = preparer.spans(ids, prepared)
-    pixels = torch.cat([torch.from_numpy(p.processed.pixel_values) for p in prepared])
-    return ids, spans, pixels
+    return _prompt(preparer, pictures, text_lengths, seed, marker=G_BOI, specials=G_SPECIALS)
 
 
 def _gemma_reference(model, ids, pixels):

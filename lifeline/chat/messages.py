@@ -74,7 +74,10 @@ def _content(where: str, content: Any, images: list[tuple[str, str]] | None = No
         if kind == "image_url" and images is not None:
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, Mapping) else url
-            images.append((f"{at}.image_url.url", _string(f"{at}.image_url.url", url)))
+            if not isinstance(url, str):
+                raise ChatError(f"{at}.image_url.url must be a string",
+                                param=f"{at}.image_url.url")
+            images.append((f"{at}.image_url.url", url))
             parts.append({"type": "image"})
         elif kind == "image_url":
             raise ChatError(f"{at}: this model takes no images (part type 'image_url')")
