@@ -168,6 +168,29 @@ def test_closed_loop_keeps_n_users_in_flight_and_leaves_warmup_out(scripted):
     assert min(s.trace.sent for s in result.sent) >= result.start
 
 
+def test_a_ramp_up_starts_the_users_evenly_over_its_seconds(scripted):
+    """4 users over 0.4 s: each user's first request (each lasts longer than the ramp) leaves
+    0.1 s after the one before, and not before; the users go on after the ramp."""
+    _, url = scripted
+
+    async def go():
+        async with BenchClient(url, "m") as c:
+            work = cycle([BenchRequest([1, 2], max_tokens=600)])
+            return await run_load(c, work, LoadPlan(concurrency=4, requests=8, ramp_up_s=0.4))
+
+    result = asyncio.run(go())
+    first = sorted(s.trace.sent for s in result.sent)[:4]
+    offsets = [t - result.start for t in first]
+    assert offsets[0] < 0.05
+    for i, offset in enumerate(offsets):
+        assert i * 0.1 <= offset + 1e-3 < i * 0.1 + 0.08, offsets
+    assert len(result.sent) == 8
+    with pytest.raises(ValueError, match="ramp-up"):
+        LoadPlan(rate=5.0, requests=4, ramp_up_s=1.0)
+    with pytest.raises(ValueError, match="ramp-up"):
+        LoadPlan(concurrency=2, requests=4, ramp_up_s=-1.0)
+
+
 def test_sessions_send_their_growing_history_with_the_servers_answers(scripted):
     app, url = scripted
     app.state.chat_bodies.clear()

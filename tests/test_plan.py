@@ -81,6 +81,27 @@ def test_offline_rate_inf_sends_everything_at_once():
     assert r["plan"]["scheduler"]["peak_running"] == 50
 
 
+def test_a_ramp_up_spreads_the_users_first_requests_as_the_bench_does():
+    """The plan starts closed-loop user i of N at i·ramp/N on the virtual clock (the bench's
+    `ramp_up_start`). Spread further apart than a prefill (and each request longer than the
+    ramp, so each user sends one), no prompt waits for another's prefill: each TTFT is within
+    a decode step of the lone request's; all at once, the last waits for three prefills."""
+    d = deployment()
+    kw = dict(concurrency=4, requests=4, input_tokens=2048, output_tokens=200)
+    lone = run_plan(settings(**{**kw, "concurrency": 1, "requests": 1}), d)
+    ramped = run_plan(settings(ramp_up_s=1.0, **kw), d)
+    burst = run_plan(settings(**kw), d)
+    assert sorted(rec["sent_s"] for rec in ramped["requests"]) == pytest.approx(
+        [0.0, 0.25, 0.5, 0.75])
+    alone = lone["requests"][0]["ttft_ms"]
+    decode_ms = max(lone["requests"][0]["tbt_ms"])
+    assert alone > 3 * decode_ms
+    for rec in ramped["requests"]:
+        assert alone <= rec["ttft_ms"] <= alone + 2 * decode_ms
+    assert max(rec["ttft_ms"] for rec in burst["requests"]) > 3 * alone
+    assert ramped["settings"]["ramp_up_s"] == 1.0
+
+
 def test_closed_loop_multi_turn_sessions_reuse_their_history():
     """Turn 2 sends turn 1's prompt and answer again: its prompt is longer and cached."""
     r = run_plan(settings(concurrency=2, requests=8, turns=2, endpoint="chat",

@@ -45,6 +45,9 @@ def _load_args(load: argparse._ArgumentGroup) -> None:
     load.add_argument("--warmup", type=int, default=1, help="requests sent first and left out")
     load.add_argument("--think-time", type=float, default=0.0,
                       help="closed loop: mean seconds a user waits between requests")
+    load.add_argument("--ramp-up", type=float, default=0.0,
+                      help="closed loop: seconds over which the users start, evenly (default "
+                           "0: all at once)")
     load.add_argument("--turns", type=int, default=1,
                       help="chat, closed loop: sessions of this many turns whose history grows")
 
@@ -135,6 +138,7 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         url=args.url, model=args.model, endpoint=args.endpoint, concurrency=args.concurrency,
         rate=args.rate, burstiness=args.burstiness, requests=args.requests,
         duration_s=args.duration, warmup=args.warmup, think_time_s=args.think_time,
+        ramp_up_s=args.ramp_up,
         turns=args.turns, input_tokens=args.input_tokens, output_tokens=args.output_tokens,
         length_dist=args.length_dist, length_spread=args.length_spread,
         length_file=args.length_file,

@@ -32,6 +32,9 @@ class LoadPlan:
     """Requests sent before the measured window, left out of every number."""
     think_time_s: float = 0.0
     """Closed loop: mean pause (exponential) between a user's requests."""
+    ramp_up_s: float = 0.0
+    """Closed loop: the users start evenly over this long (user i of N at i·ramp_up_s/N, as
+    k6's ramping VUs and Locust's spawn rate); 0 starts them all at once."""
     turns: int = 1
     """Closed loop, chat: each user holds sessions of this many turns; a turn sends the whole
     history (earlier prompts and the server's answers) plus the next prompt."""
@@ -46,6 +49,8 @@ class LoadPlan:
             raise ValueError("rate and burstiness are positive")
         if self.turns < 1 or (self.turns > 1 and self.rate is not None):
             raise ValueError("multi-turn sessions run in a closed loop")
+        if self.ramp_up_s < 0 or (self.ramp_up_s > 0 and self.rate is not None):
+            raise ValueError("a ramp-up is a closed loop's, of zero seconds or more")
 
 
 @dataclass(slots=True)
@@ -123,7 +128,9 @@ async def _warmup(client: BenchClient, workload: Iterator[BenchRequest], plan: L
 async def _closed(one, budget: _Budget, plan: LoadPlan) -> None:
     rng = random.Random(plan.seed)
 
-    async def user() -> None:
+    async def user(i: int) -> None:
+        if plan.ramp_up_s > 0:
+            await asyncio.sleep(ramp_up_start(i, plan))
         history: list[dict[str, str]] = []
         turn = 0
         while (req := budget.take()) is not None:
@@ -139,7 +146,12 @@ async def _closed(one, budget: _Budget, plan: LoadPlan) -> None:
             if plan.think_time_s > 0:
                 await asyncio.sleep(rng.expovariate(1 / plan.think_time_s))
 
-    await asyncio.gather(*(user() for _ in range(plan.concurrency)))
+    await asyncio.gather(*(user(i) for i in range(plan.concurrency)))
+
+
+def ramp_up_start(user: int, plan: LoadPlan) -> float:
+    """Seconds after the measured window opens that closed-loop user `user` starts."""
+    return user * plan.ramp_up_s / plan.concurrency
 
 
 def with_history(req: BenchRequest, history: list[dict[str, str]]) -> BenchRequest:

@@ -47,6 +47,7 @@ class BenchSettings:
     duration_s: float | None = None
     warmup: int = 1
     think_time_s: float = 0.0
+    ramp_up_s: float = 0.0
     turns: int = 1
     input_tokens: int = 128
     output_tokens: int = 128
@@ -93,7 +94,8 @@ class BenchSettings:
         return LoadPlan(concurrency=self.concurrency or (1 if closed else 0), rate=self.rate,
                         burstiness=self.burstiness, requests=self.requests,
                         duration_s=self.duration_s, warmup=self.warmup,
-                        think_time_s=self.think_time_s, turns=self.turns, seed=self.seed)
+                        think_time_s=self.think_time_s, ramp_up_s=self.ramp_up_s,
+                        turns=self.turns, seed=self.seed)
 
     def public(self) -> dict[str, Any]:
         out = asdict(self)

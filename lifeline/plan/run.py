@@ -18,7 +18,7 @@ from typing import Any
 
 from lifeline.bench import conversation
 from lifeline.bench.client import BenchRequest
-from lifeline.bench.load import RunResult, Sent, arrival_gap
+from lifeline.bench.load import RunResult, Sent, arrival_gap, ramp_up_start
 from lifeline.bench.metrics import Chunk, RequestTrace, Slo
 from lifeline.bench.run import BenchSettings, results
 from lifeline.bench.stages import normalize
@@ -202,7 +202,7 @@ class _Load:
             self.deadline = start + self.plan.duration_s
         if self.plan.rate is None:
             for user in range(self.plan.concurrency):
-                self.push(start, "user", user)
+                self.push(start + ramp_up_start(user, self.plan), "user", user)
         else:
             self.push(start, "open", None)
         self.loop()
@@ -227,10 +227,11 @@ class _Load:
                 at, _, kind, payload = heapq.heappop(self.heap)
                 if kind == "arrive":
                     self.arrive(payload, at)
+                # a client sends at its own time, not at the step's end that found the event
                 elif kind == "user":
-                    self.user_next(payload, clock.now)
+                    self.user_next(payload, at)
                 else:
-                    self.open_next(clock.now)
+                    self.open_next(at)
             if engine.has_unfinished_requests():
                 before = clock.now
                 outputs = engine.step()
