@@ -10,10 +10,11 @@
    compiled) on loopback and runs `lifeline bench` (the bench's own `run_bench`, closed loop,
    greedy, `ignore_eos`) at each row: 1, 4 and 16 users of 128-token prompts and 128 output
    tokens (the users starting half a second apart, `--ramp-up`), one user of 1,024-token
-   prompts, and, apart from the issue's rows, 4 users started at once. The rows are measured `--passes` times (3),
-   each pass in a rotated order, so each row is taken at several moments: this machine's
-   speed drifts by tens of percent over minutes, and a row's median over the passes is what
-   it measures, their spread (largest over smallest − 1) how far one run alone could be off.
+   prompts, and, apart from the issue's rows, 4 users started at once. The rows are measured
+   `--passes` times (3), each pass in a rotated order, so each row is taken at several
+   moments: this machine's speed drifts by tens of percent over minutes, and a row's median
+   over the passes is what it measures, their spread (largest over smallest − 1) how far one
+   run alone could be off.
    A row measured while other processes used more than 0.15 cores is measured again.
 3. Plans each row with `lifeline plan --hardware this-cpu` and the same workload flags.
 4. Prints TTFT p50, TPOT p50 and output throughput measured (median of the passes),
@@ -250,7 +251,8 @@ def main() -> int:
             cells += [f"{r['measured'][k]:{fmt}}", f"{r['predicted'][k]:{fmt}}",
                       f"[{style}]{e:+.1%}[/]" if e is not None else "—"]
         spread = max(r["spread"].values(), default=0.0)
-        table.add_row(r["label"] + (" (extra)" if r["extra"] else ""), *cells, f"{spread:.0%}", f"{r['foreign_cores']:.2f} cores")
+        label = r["label"] + (" (extra)" if r["extra"] else "")
+        table.add_row(label, *cells, f"{spread:.0%}", f"{r['foreign_cores']:.2f} cores")
     console.print(table)
     console.print(f"worst error of the issue's rows {worst:.1%} (target {TARGET:.0%}): "
                   + ("[green]met[/]" if worst <= TARGET else "[red]not met[/]"))

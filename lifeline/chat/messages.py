@@ -74,10 +74,8 @@ def _content(where: str, content: Any, images: list[tuple[str, str]] | None = No
         if kind == "image_url" and images is not None:
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, Mapping) else url
-            if not isinstance(url, str):
-                raise ChatError(f"{at}.image_url.url must be a string",
-                                param=f"{at}.image_url.url")
-            images.append((f"{at}.image_url.url", url))
+            where = f"{at}.image_url.url"
+            images.append((where, _string(where, url, param=where)))
             parts.append({"type": "image"})
         elif kind == "image_url":
             raise ChatError(f"{at}: this model takes no images (part type 'image_url')")
@@ -122,9 +120,9 @@ def _arguments(at: str, arguments: Any) -> dict[str, Any]:
     return arguments
 
 
-def _string(where: str, value: Any) -> str:
+def _string(where: str, value: Any, param: str = "messages") -> str:
     if not isinstance(value, str):
-        raise ChatError(f"{where} must be a string")
+        raise ChatError(f"{where} must be a string", param=param)
     return value
 
 
