@@ -89,6 +89,44 @@ def _front(c: CauseFacts, ctx: Context) -> Written:
             "streams on one server process)", {f"{k}_ms": v for k, v in parts.items()})
 
 
+QUEUE_KNOBS: dict[str, dict[str, tuple[str, str]]] = {
+    # engine -> limit -> (why, the engine's own knob as the fix)
+    "llama.cpp": {
+        "slots": ("{running} of llama.cpp's {cap} slots were busy and requests were deferred",
+                  "more parallel slots (-np; each slot gets -c / -np of the context, so raise -c "
+                  "with it), lower the concurrency, or add replicas"),
+        "kv_cache": ("the slots' KV cache was full",
+                     "a larger context (-c), or fewer parallel slots sharing it (-np)"),
+    },
+    "vllm": {
+        "max_num_seqs": ("{running} sequences were running (vLLM's --max-num-seqs or its KV "
+                         "capacity) while requests waited",
+                         "raise --max-num-seqs if the KV cache allows it "
+                         "(--gpu-memory-utilization; VLLM_CPU_KVCACHE_SPACE on the CPU), lower "
+                         "the concurrency, or add replicas"),
+        "kv_cache": ("vLLM's KV cache was full ({kv:.0%} in use)",
+                     "more KV memory (--gpu-memory-utilization; VLLM_CPU_KVCACHE_SPACE on the "
+                     "CPU), a shorter --max-model-len, prefix caching, or add replicas"),
+        "token_budget": ("fewer than {cap} sequences ran while requests waited: each step's "
+                         "token budget was spent on prefill",
+                         "raise --max-num-batched-tokens, or lower the load"),
+    },
+    "sglang": {
+        "max_running_requests": ("{running} requests were running (--max-running-requests) "
+                                 "while requests waited",
+                                 "raise --max-running-requests if the KV pool allows, or add "
+                                 "replicas"),
+        "kv_cache": ("SGLang's token pool was full ({kv:.0%} in use)",
+                     "more KV memory (--mem-fraction-static), shorter contexts, or add "
+                     "replicas"),
+        "token_budget": ("fewer than {cap} requests ran while requests waited: the prefill "
+                         "budget was spent",
+                         "raise --chunked-prefill-size / --max-prefill-tokens, or lower the "
+                         "load"),
+    },
+}
+
+
 def _queue(c: CauseFacts, ctx: Context) -> Written:
     infos = [f.get("queue_info") or {} for f in c.facts]
     limits = Counter(i.get("limit") for i in infos if i.get("limit"))
@@ -98,8 +136,15 @@ def _queue(c: CauseFacts, ctx: Context) -> Written:
     max_seqs = next((i["max_num_seqs"] for i in infos if i.get("max_num_seqs")), None)
     preemptions = sum(f.get("preemptions") or 0 for f in c.facts)
     recomputed = sum(f.get("recomputed_tokens") or 0 for f in c.facts)
-    if limit == "max_num_seqs" or (limit is None and running and max_seqs
-                                   and running >= max_seqs):
+    engine = next((i["engine"] for i in infos if i.get("engine")), None)
+    knobs = QUEUE_KNOBS.get(engine or "", {}).get(limit or "")
+    if knobs is not None:
+        kv = _mean_of(infos, "kv_usage_at_arrival") or 0.0
+        why = knobs[0].format(running=f"{running or max_seqs or 0:,.0f}", cap=max_seqs or "?",
+                              kv=kv)
+        fix = knobs[1]
+    elif limit == "max_num_seqs" or (limit is None and running and max_seqs
+                                     and running >= max_seqs):
         why = f"{running:,.0f} of {max_seqs} sequences were running (max_num_seqs)"
         fix = ("the engine is at its batch limit: raise max_num_seqs if the KV cache allows, "
                "lower the concurrency, or add replicas")
@@ -121,16 +166,27 @@ def _queue(c: CauseFacts, ctx: Context) -> Written:
              f"tokens" if limit is None and ahead else f"queue: {c.lead()}: {why}")
     steps = _mean_of(infos, "steps_waited")
     evidence = [why]
+    sampled = [i for i in infos if i.get("from") == "server_state"]
+    if sampled:
+        seen = _mean_of(sampled, "waiting_seen_ms")
+        waiting = _mean_of(sampled, "waiting_at_arrival")
+        evidence.append(f"the server's own metrics showed requests waiting for {seen or 0:,.0f}"
+                        f" ms of each request's wait on average ({waiting or 0:,.1f} waiting "
+                        "when a request arrived)")
     if steps is not None:
         evidence.append(f"{steps:,.1f} steps waited on average")
     if limits:
         evidence.append("limits: " + ", ".join(f"{k} {n}" for k, n in limits.most_common()))
     if preemptions:
         evidence.append(f"{preemptions} preemptions recomputed {recomputed:,} tokens")
+    server_preempted = max((f.get("server_preemptions") or 0 for f in c.facts), default=0)
+    if server_preempted and not preemptions:
+        evidence.append(f"the server preempted requests during the run ({server_preempted:,.0f}"
+                        " in one request's life at most)")
     return (title, "; ".join(evidence) + ".", fix,
             {"limit": limit, "limits": dict(limits), "running_at_arrival": running,
              "max_num_seqs": max_seqs, "ahead_prefill_tokens": ahead, "steps_waited": steps,
-             "preemptions": preemptions, "recomputed_tokens": recomputed})
+             "preemptions": preemptions, "recomputed_tokens": recomputed, "engine": engine})
 
 
 def _prefill(c: CauseFacts, ctx: Context) -> Written:

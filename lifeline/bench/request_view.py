@@ -27,14 +27,21 @@ class RequestView:
     """Connection set-up the client waited for (0: a kept-alive connection)."""
     client: bool = True
     """Whether the times are the client's (else the server's own)."""
+    state: dict[str, Any] = field(default_factory=dict)
+    """The server's sampled state around the request (`lifeline.bench.server_join`)."""
 
     @classmethod
     def of_record(cls, record: dict[str, Any]) -> RequestView:
+        """The server's stages as it reported them, or as the join to its sampled state
+        completed them (a queue where the server reports none)."""
+        state = record.get("server_state") or {}
         return cls(id=record.get("id"), ttft_ms=record.get("ttft_ms"),
                    ttfat_ms=record.get("ttfat_ms"), tpot_ms=record.get("tpot_ms"),
                    output_tokens=int(record.get("output_tokens") or 0),
-                   stages=record.get("server_timings"), raw=record.get("timings_raw") or {},
-                   turn=int(record.get("turn") or 0), connect_ms=record.get("connect_ms"))
+                   stages=state.get("stages") or record.get("server_timings"),
+                   raw=record.get("timings_raw") or {},
+                   turn=int(record.get("turn") or 0), connect_ms=record.get("connect_ms"),
+                   state=state)
 
     @classmethod
     def of_timings(cls, timings: dict[str, Any], request_id: str | None = None) -> RequestView:

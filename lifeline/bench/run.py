@@ -15,6 +15,8 @@ from lifeline.bench.client import BenchClient, BenchRequest
 from lifeline.bench.diagnose import diagnose
 from lifeline.bench.load import LoadPlan, RunResult, Sent, run_load
 from lifeline.bench.metrics import Slo, distribution, request_metrics, summarize
+from lifeline.bench.server_join import join
+from lifeline.bench.server_state import INTERVAL_S, ServerSampler, server_info
 from lifeline.bench.stages import breakdown, diagnosis, ttft_split
 from lifeline.bench.step_fit import fit_steps
 from lifeline.bench.step_index import fetch_steps
@@ -74,6 +76,10 @@ class BenchSettings:
     api_key: str | None = None
     admin_key: str | None = None
     """Sent to read the server's step log (`/debug/steps`) when its API keys guard it."""
+    server_metrics: str = "auto"
+    """The server's Prometheus metrics to sample during the run: `auto` (its `/metrics`, and
+    llama.cpp's `/slots`, where they answer), a URL, or `off`."""
+    server_metrics_interval_s: float = INTERVAL_S
 
     def __post_init__(self) -> None:
         if self.requests is None and self.duration_s is None:
@@ -199,12 +205,48 @@ async def run_bench(settings: BenchSettings,
                 raise ValueError("--output-tokens leaves no room for a prompt in the context")
         workload = await build_workload(settings, c)
         text, notes = await weigh_text(settings, c, workload)
+        sampler, why = await start_sampler(settings, c)
         started = datetime.now(UTC)
         since = time.time()
-        result = await run_load(c, cycle(workload), plan, on_done)
+        try:
+            result = await run_load(c, cycle(workload), plan, on_done)
+        finally:
+            if sampler is not None:
+                await sampler.stop()
         log, note = await step_log(c, result, since, settings.admin_key)
+        state = await sampled_state(sampler, c, result)
     return results(settings, result, slo, started, step_log=log, text=text,
-                   notes=[*notes, *([note] if note else [])])
+                   notes=[*notes, *([note] if note else []), *([why] if why else [])],
+                   server_state=state)
+
+
+async def start_sampler(settings: BenchSettings, client: BenchClient
+                        ) -> tuple[ServerSampler | None, str | None]:
+    """The server's own state, sampled through the run (`--server-metrics`)."""
+    if settings.server_metrics == "off":
+        return None, None
+    url = (client.server_root + "/metrics" if settings.server_metrics == "auto"
+           else settings.server_metrics)
+    root = url.rsplit("/", 1)[0]
+    key = settings.admin_key or settings.api_key
+    sampler = ServerSampler(url, slots_url=root + "/slots",
+                            interval_s=settings.server_metrics_interval_s, model=client.model,
+                            headers={"Authorization": f"Bearer {key}"} if key else {})
+    if not await sampler.start():
+        return None, ("the server's own state was not sampled ("
+                      + "; ".join(sampler.errors[:2]) + "): causes the server does not report "
+                      "per request (llama.cpp's and vLLM's queue) are not split out")
+    return sampler, None
+
+
+async def sampled_state(sampler: ServerSampler | None, client: BenchClient,
+                        result: RunResult) -> dict[str, Any] | None:
+    if sampler is None:
+        return None
+    state = sampler.as_dict(result.start)
+    state["server_info"] = await server_info(client.http, sampler.metrics_url.rsplit("/", 1)[0],
+                                             sampler.engine)
+    return state
 
 
 async def step_log(client: BenchClient, result: RunResult, since: float,
@@ -261,7 +303,8 @@ def logprobs_body(settings: BenchSettings) -> dict[str, Any]:
 
 def results(settings: BenchSettings, result: RunResult, slo: Slo | None,
             started: datetime, *, step_log: dict[str, Any] | None = None,
-            text: dict[str, Any] | None = None, notes: Sequence[str] = ()) -> dict[str, Any]:
+            text: dict[str, Any] | None = None, notes: Sequence[str] = (),
+            server_state: dict[str, Any] | None = None) -> dict[str, Any]:
     sent = sorted(result.sent, key=lambda s: s.trace.sent)
     metrics = [request_metrics(s.trace) for s in sent]
     splits = [ttft_split(s.trace, m) if m.ok else None for s, m in zip(sent, metrics)]
@@ -286,7 +329,10 @@ def results(settings: BenchSettings, result: RunResult, slo: Slo | None,
         records.append(record)
     out = {"schema": SCHEMA, "started_at": started.isoformat(timespec="seconds"),
            "settings": settings.public(), "summary": summary, "requests": records,
-           "text_cost": text, "step_log": step_log, "diagnosis_notes": list(notes)}
+           "text_cost": text, "step_log": step_log, "diagnosis_notes": list(notes),
+           "server_state": server_state}
+    if server_state is not None:
+        server_state["summary"] = join(out, server_state)
     summary["diagnoses"] = diagnose(out)
     out["step_log"] = log_summary(step_log)
     return out

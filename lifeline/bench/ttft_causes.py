@@ -130,8 +130,20 @@ def _front_facts(view: RequestView) -> dict[str, Any]:
 
 
 def _queue_facts(view: RequestView) -> dict[str, Any]:
+    """The server's own account of the wait (Lifeline's `timings.queue`), else what its
+    sampled state showed around the request (`lifeline.bench.server_join`)."""
     raw = view.backend_raw()
     queue = raw.get("queue") if isinstance(raw.get("queue"), dict) else {}
+    state = view.state or {}
+    if not queue and state:
+        queue = {"limit": state.get("limit") if state.get("queue_ms") else None,
+                 "running_at_arrival": state.get("running_at_arrival"),
+                 "waiting_at_arrival": state.get("waiting_at_arrival"),
+                 "max_num_seqs": state.get("capacity"), "engine": state.get("engine"),
+                 "waiting_seen_ms": state.get("waiting_seen_ms"),
+                 "kv_usage_at_arrival": state.get("kv_usage_at_arrival"),
+                 "from": "server_state"}
     return {"queue_info": queue, "preemptions": raw.get("preemptions"),
+            "server_preemptions": state.get("preemptions_during"),
             "recomputed_tokens": raw.get("recomputed_tokens"),
             "anatomy": raw.get("prompt_anatomy"), "turn": view.turn}
