@@ -103,6 +103,12 @@ def _result_args(out: argparse._ArgumentGroup) -> None:
     out.add_argument("--html", default=None, help="write a report with plots here")
     out.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     out.add_argument("--quiet", action="store_true", help="no progress bar")
+    out.add_argument("--server-metrics", default="auto", metavar="URL|auto|off",
+                     help="sample the server's own Prometheus metrics (and llama.cpp's /slots) "
+                          "during the run: its /metrics where it answers (auto), this URL, or "
+                          "off")
+    out.add_argument("--server-metrics-interval", type=float, default=0.2, metavar="S",
+                     help="seconds between samples (default 0.2; at most 0.25 to see a queue)")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -147,7 +153,9 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         exact_tokens=args.exact_tokens, long_context=args.long_context,
         images=args.images, image_size=args.image_size,
         slo=args.slo, slo_attainment=parse_fraction(args.slo_attainment), seed=args.seed,
-        timeout_s=args.timeout, api_key=args.api_key, admin_key=args.admin_key)
+        timeout_s=args.timeout, api_key=args.api_key, admin_key=args.admin_key,
+        server_metrics=args.server_metrics,
+        server_metrics_interval_s=args.server_metrics_interval)
     settings.plan()
     return settings
 

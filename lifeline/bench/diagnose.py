@@ -17,6 +17,7 @@ from typing import Any
 from lifeline.bench.findings import CauseFacts, Context, write_finding
 from lifeline.bench.output_causes import OUTPUT_CAUSES, TpotSplit, split_tpot
 from lifeline.bench.request_view import RequestView
+from lifeline.bench.state_causes import refine
 from lifeline.bench.step_index import StepIndex
 from lifeline.bench.ttft_causes import TTFT_CAUSES, TtftSplit, split_ttft
 
@@ -98,7 +99,10 @@ def _id_in_steps(timings: dict[str, Any], index: StepIndex | None) -> str | None
 def _sections(views: Sequence[RequestView], ctx: Context, summary: dict[str, Any]
               ) -> dict[str, Any]:
     ttft = [s for v in views if (s := split_ttft(v, ctx.index, ctx.text)) is not None]
-    tpot = [s for v in views if (s := split_tpot(v, ctx.index)) is not None]
+    pairs = [(v, s) for v in views if (s := split_tpot(v, ctx.index)) is not None]
+    if ctx.index is None:
+        ctx.state_fit = refine(pairs)
+    tpot = [s for _, s in pairs]
     out = {"ttft": {"ms_p50": _p50(summary, "ttft_ms", [s.facts["ttft_ms"] for s in ttft]),
                     "ms_mean": _mean([sum(s.parts.values()) for s in ttft]),
                     "findings": rank("ttft", ttft, TTFT_CAUSES, ctx)},
@@ -170,9 +174,24 @@ def missing(views: Sequence[RequestView], ctx: Context, notes: Sequence[str]) ->
                    "client and network) and TPOT is not split from the stream's delivery")
         return out
     sources = {str(v.stages.get("source")) for v in staged}
-    if "llama.cpp" in sources:
-        out.append("llama.cpp reports no front or queue time: both count as client and network")
-    if "vllm" in sources:
+    joined = [v for v in staged if v.stages.get("queue_from") == "server_state"]
+    if joined:
+        engine = joined[0].state.get("engine")
+        interval = joined[0].state.get("interval_s") or 0.0
+        out.append(f"{engine} reports no queue time per request: a request's queue is the part "
+                   "of its wait before prefill during which the server's own metrics showed "
+                   f"requests waiting (sampled every {interval * 1e3:,.0f} ms, so a request's "
+                   "queue is good to about one interval), less the wait of requests that found "
+                   "a free slot; its front (HTTP, template, tokenizer) counts as client and "
+                   "network")
+        if any(v.state.get("prefill_from") == "histogram" for v in joined):
+            out.append(f"{engine} reports no prefill time per request: each request's prefill "
+                       "is the run's mean from the server's own histogram, scaled by its "
+                       "prompt's length")
+    elif "llama.cpp" in sources:
+        out.append("llama.cpp reports no front or queue time: both count as client and network "
+                   "(its /metrics was not sampled: start it with --metrics)")
+    if "vllm" in sources and not joined:
         out.append("vLLM reports no template or tokenizer time, no prompt anatomy and no step "
                    "log: front is only its arrival-to-queue gap")
     if ctx.plan:
@@ -183,11 +202,20 @@ def missing(views: Sequence[RequestView], ctx: Context, notes: Sequence[str]) ->
                    "report it): prompt assembly is not split out of prefill")
     if ctx.text is None:
         out.append("no prompt text was weighed: the tokenizer finding is unavailable")
-    out += _step_log_missing(staged, ctx.index)
+    out += _step_log_missing(staged, ctx.index, ctx.state_fit)
     return out
 
 
-def _step_log_missing(views: Sequence[RequestView], index: StepIndex | None) -> list[str]:
+def _step_log_missing(views: Sequence[RequestView], index: StepIndex | None,
+                      fit: dict[str, Any] | None = None) -> list[str]:
+    if index is None and fit is not None:
+        names = {"batch": "the batch", "prefill_interference": "others' prefill",
+                 "kv_context": "the context"}
+        return ["no step log: the output is split by a fit over the run's requests of the "
+                "server's sampled state (its running requests, others' prefill, the context), "
+                "coarser than a step log"] + [
+            f"{names[t]} never varied across the run's requests: its cost cannot be told from "
+            "the base and counts as decode" for t in fit["confounded"]]
     if index is None:
         rows = any((v.backend_raw().get("steps") or {}).get("prefill") for v in views)
         return ["no step log: the output's batch, context and prefill-interference causes are "

@@ -21,6 +21,8 @@ class Context:
     index: StepIndex | None
     client_lag_ms: dict[str, Any] | None
     plan: bool
+    state_fit: dict[str, Any] | None = None
+    """The output's fit over requests from the server's sampled state (no step log)."""
 
 
 @dataclass(slots=True)
@@ -330,6 +332,18 @@ def _out_client(c: CauseFacts, ctx: Context) -> Written:
 
 def _decode(c: CauseFacts, ctx: Context) -> Written:
     cost = ctx.index.cost if ctx.index else None
+    if cost is None and ctx.state_fit:
+        fit = ctx.state_fit
+        kept = ", ".join(t.replace("_", " ") for t in fit["confounded"])
+        return (f"decode: {c.lead()} in the server's decode steps at the run's own load",
+                f"fit over {fit['requests']} requests of the server's time per token: "
+                f"{fit['base_ms']:,.2f} ms + {fit['per_other_running_ms']:,.3f} ms per other "
+                f"request running + {fit['per_other_prefill_token_ms']:,.4f} ms per other "
+                f"request's prefill token + {fit['per_context_token_ms']:,.5f} ms per context "
+                "token" + (f"; {kept} never varied in the run, so its cost is in this base"
+                           if kept else "") + ".",
+                "the weights read each step: a smaller or quantized model, faster hardware or "
+                "kernels; a run at one user measures the step alone", {"state_fit": fit})
     if cost is None:
         return (f"decode: {c.lead()} in the server's decode steps (not split further)",
                 "without a step log the decode steps are not split by cause.",
@@ -350,6 +364,7 @@ def _batch(c: CauseFacts, ctx: Context) -> Written:
     rows, top = c.mean("rows_mean"), max((f.get("rows_max") or 0 for f in c.facts), default=0)
     cost = ctx.index.cost if ctx.index else None
     alone = cost.base_ms + cost.row_ms if cost else None
+    fit = ctx.state_fit if cost is None else None
     title = (f"{rows:,.1f} requests shared each decode step: {c.lead()}" if rows else
              f"batch: {c.lead()}")
     evidence = f"up to {top} requests in a step"
@@ -360,6 +375,11 @@ def _batch(c: CauseFacts, ctx: Context) -> Written:
         if others:
             evidence += (f" and their {others:,.0f} tokens of context "
                          f"{cost.context_token_ms * others:,.2f} ms")
+    elif fit:
+        evidence = (f"the server's running requests averaged {rows or 0:,.1f} over each "
+                    f"request's output (up to {top}); each other request running added "
+                    f"{fit['per_other_running_ms']:,.3f} ms a token (fit over "
+                    f"{fit['requests']} requests)")
     return (title, evidence + ".",
             "per-user speed traded for throughput: a lower max_num_seqs or concurrency for "
             "faster users, more replicas for both", {"rows_mean": rows, "rows_max": top,

@@ -82,6 +82,11 @@ class BenchSettings:
     server_metrics_interval_s: float = INTERVAL_S
 
     def __post_init__(self) -> None:
+        if not 0.01 <= self.server_metrics_interval_s <= 10:
+            raise ValueError("--server-metrics-interval is 0.01 to 10 seconds")
+        if self.server_metrics not in ("auto", "off") and not self.server_metrics.startswith(
+                ("http://", "https://")):
+            raise ValueError("--server-metrics is auto, off or an http(s) URL")
         if self.requests is None and self.duration_s is None:
             self.requests = 100
         if self.rate is None and self.concurrency is None:

@@ -68,6 +68,10 @@ class Timeline:
             return self.at(a).get(key) if b <= a else None
         return sum(d * v for d, v in parts) / total
 
+    def peak(self, a: float, b: float, key: str) -> float | None:
+        values = [s[key] for _, s in self.pieces(a, b) if s.get(key) is not None]
+        return max(values) if values else None
+
     def delta(self, a: float, b: float, key: str) -> float | None:
         """A counter's change from the sample before `a` to the first one after `b`."""
         before = [s for s in self.samples if s["t"] <= a and s.get(key) is not None]
@@ -187,11 +191,15 @@ def join(results: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
             "limit": limits.most_common(1)[0][0] if limits else None,
             "limits": dict(limits), "capacity": cap,
             "batch_mean": timeline.mean(first, end, "running"),
+            "running_max": timeline.peak(first, end, "running"),
             "kv_usage_mean": timeline.mean(first, end, "kv_usage"),
             "others_prefill_tokens": others_prefill,
             "preemptions_during": timeline.delta(sent, end, "preemptions"),
-            "engine": engine,
+            "engine": engine, "interval_s": state.get("interval_s"),
         }
+        prompt, n = _prompt(r) or 0, int(r.get("output_tokens") or 0)
+        view.update({"context_first": prompt, "context_last": prompt + n,
+                     "context_mean": prompt + n / 2})
         view["stages"] = _stages(r, engine, view, summary)
         r["server_state"] = view
     return summary
