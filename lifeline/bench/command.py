@@ -116,7 +116,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     if args.action:
-        return cmd_compare(args.action)
+        return cmd_compare(args.action, args.html)
     try:
         settings = settings_from(args)
     except ValueError as exc:
@@ -203,28 +203,42 @@ def _finish(args: argparse.Namespace, results: dict[str, Any], console: Console)
             f.write(render(results))
 
 
-def cmd_compare(action: list[str]) -> int:
+def cmd_compare(action: list[str], html_path: str | None = None) -> int:
     from rich.console import Console
 
     from rich.markup import escape
 
-    from lifeline.bench.compare import attribute, attribution_table, compare_table, load
+    from lifeline.bench.compare import (
+        attribute,
+        attribution_table,
+        compare_html,
+        compare_table,
+        engines_table,
+        load,
+    )
 
     if action[0] != "compare" or len(action) < 2:
         print("lifeline bench: the only action is `compare A.json B.json ...`", file=sys.stderr)
         return 2
     try:
-        runs = [load(path) for path in action[1:]]
+        runs = [load(path) for path in action[1:] if path]
     except (OSError, ValueError) as exc:
         print(f"lifeline bench compare: {exc}", file=sys.stderr)
         return 2
     console = Console()
     console.print(compare_table(runs))
+    atts = []
     for run in runs[1:]:
         att = attribute(runs[0], run)
+        atts.append(att)
         console.print(attribution_table(att))
+        console.print(engines_table(att))
         for section in ("ttft", "output"):
             if att.get(section):
                 finding = att[section]["finding"]
                 console.print(f"[bold]{escape(finding['title'])}[/]\n{escape(finding['evidence'])}")
+    if html_path:
+        with open(html_path, "w") as f:
+            f.write(compare_html(runs, atts))
+        console.print(f"report: {html_path}")
     return 0
