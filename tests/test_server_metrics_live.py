@@ -123,3 +123,39 @@ def test_a_wrong_metrics_url_is_a_note_not_a_failure(two_seqs):
     assert r["server_state"] is None
     assert any("not sampled" in n for n in r["diagnosis_notes"])
     assert r["summary"]["successful"] == 2
+
+
+def test_a_request_through_the_gateway_carries_the_upstreams_side_of_its_wait(two_seqs):
+    """A gateway in front of the two-sequence server (an upstream, sampled by the gateway):
+    each request's `timings.backend.state` holds the upstream's waiting seen by the gateway,
+    held to the upstream's own queue time; the bench run through the gateway keeps the
+    gateway's stages and the upstream's queue together."""
+    from lifeline.gateway.config import parse_config
+    from lifeline.gateway.testing import GatewayThread
+
+    config = f"""
+        [health]
+        interval_s = 60
+        [backends.up]
+        base_url = "{two_seqs.base_url}/v1"
+        model = "tiny"
+        state_interval_s = 0.1
+        [models.tiny]
+        backends = ["up"]
+        """
+    with GatewayThread(parse_config(config, ".toml")) as gw:
+        r = asyncio.run(run_bench(BenchSettings(
+            url=gw.base_url + "/v1", model="tiny", concurrency=6, requests=12, warmup=1,
+            input_tokens=16, output_tokens=64, server_metrics="off")))
+    records = [x for x in r["requests"] if x["ok"]]
+    assert len(records) == 12
+    states = [x["timings_raw"]["backend"]["state"] for x in records]
+    assert all(s["engine"] == "lifeline" and s["capacity"] == 2 for s in states)
+    own = _mean(x["timings_raw"]["backend"]["timings"]["queue_ms"] for x in records)
+    seen = _mean(s["queue_ms"] for s in states)
+    assert own > 200
+    assert abs(seen - own) <= TOLERANCE * own + 50, (seen, own)
+    first = r["summary"]["diagnoses"]["ttft"]["findings"][0]
+    assert first["cause"] == "queue"
+    assert all(x["server_timings"]["source"] == "gateway/lifeline" for x in records)
+    assert all(x["timings_raw"]["gateway_ms"] is not None for x in records)

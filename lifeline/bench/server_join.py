@@ -149,6 +149,7 @@ def join(results: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
     if len(timeline) < 2 or not records:
         return summary
     cap = summary.get("capacity")
+    sees_queue = any(s.get("waiting") is not None for s in timeline.samples)
     mean_prompt = _mean([_prompt(r) for r in records if _prompt(r)])
     windows = []
     for r in records:
@@ -200,7 +201,7 @@ def join(results: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
         prompt, n = _prompt(r) or 0, int(r.get("output_tokens") or 0)
         view.update({"context_first": prompt, "context_last": prompt + n,
                      "context_mean": prompt + n / 2})
-        view["stages"] = _stages(r, engine, view, summary)
+        view["stages"] = _stages(r, engine, view, summary) if sees_queue else None
         r["server_state"] = view
     return summary
 

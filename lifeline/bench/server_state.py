@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -179,7 +180,7 @@ class ServerSampler:
     engine: str | None = None
     config: dict[str, Any] = field(default_factory=dict)
     errors: list[str] = field(default_factory=list)
-    scrape_ms: list[float] = field(default_factory=list)
+    scrape_ms: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
     _task: asyncio.Task | None = None
     _stop: asyncio.Event | None = None
     _http: httpx.AsyncClient | None = None
@@ -220,13 +221,12 @@ class ServerSampler:
             r.raise_for_status()
             families = parse(r.text)
         except (httpx.HTTPError, ValueError) as exc:
-            if len(self.errors) < 8:
-                self.errors.append(f"{self.metrics_url}: {type(exc).__name__}: {exc}"[:300])
+            self._error(f"{self.metrics_url}: {type(exc).__name__}: {exc}")
             return False
         t1 = time.perf_counter()
         engine = self.engine or detect(families)
         if engine is None:
-            self.errors.append(f"{self.metrics_url} holds no metric of a known engine")
+            self._error(f"{self.metrics_url} holds no metric of a known engine")
             return False
         if self.engine is None:
             self.engine = engine
@@ -246,13 +246,17 @@ class ServerSampler:
             slots = reduce_slots(r.json())
         except (httpx.HTTPError, ValueError) as exc:
             self._slots_ok = False
-            self.errors.append(f"{self.slots_url}: {type(exc).__name__} (not sampled again)")
+            self._error(f"{self.slots_url}: {type(exc).__name__} (not sampled again)")
             return {}
         return slots or {}
 
+    def _error(self, message: str) -> None:
+        if len(self.errors) < 8:
+            self.errors.append(message[:300])
+
     def _keep(self, record: dict[str, Any]) -> None:
         self.samples.append(record)
-        if len(self.samples) >= MAX_SAMPLES:
+        if isinstance(self.samples, list) and len(self.samples) >= MAX_SAMPLES:
             self.samples = self.samples[::2]
             self.interval_s *= 2
 

@@ -10,17 +10,6 @@ from lifeline.bench.metrics import RequestMetrics, RequestTrace, distribution
 TTFT_STAGES = ("client_network", "front", "queue", "prefill")
 """The parts of a client-measured TTFT, in the order a request meets them."""
 
-ADVICE = {
-    "client_network": "time outside the server's accounting: the network, connection set-up, "
-                      "the stream's delivery or a saturated client",
-    "front": "HTTP handling, the chat template and the tokenizer: long prompts or templates, "
-             "or an event loop kept busy",
-    "queue": "the server is saturated at this load: lower the concurrency or rate, raise the "
-             "batch size or KV cache, or add replicas",
-    "prefill": "computing the prompt: shorter or cached prompts (prefix caching), a larger "
-               "prefill token budget, or faster hardware",
-}
-
 
 def normalize(body: dict[str, Any]) -> dict[str, float | None] | None:
     """Stage timings (ms) from a response or final chunk: Lifeline's and llama.cpp's `timings`,
@@ -52,11 +41,19 @@ def _gateway(t: dict[str, Any]) -> dict[str, float | None]:
     """The gateway's own time (parsing, routing, failed attempts) joins the backend's front;
     the backend's queue, prefill and decode stay its own; TTFT and E2E are the gateway's,
     which start when the request reached it."""
-    inner = normalize(t.get("backend") or {}) or {}
+    backend = t.get("backend") or {}
+    inner = normalize(backend) or {}
     own = sum(t.get(k) or 0.0 for k in ("gateway_ms", "routing_ms", "retry_ms"))
     source = inner.get("source")
-    return {"source": f"gateway/{source}" if source else "gateway",
-            "front_ms": own + (inner.get("front_ms") or 0.0), "queue_ms": inner.get("queue_ms"),
+    queue = inner.get("queue_ms")
+    state = backend.get("state") if isinstance(backend.get("state"), dict) else {}
+    extra = {}
+    if queue is None and state.get("queue_ms") is not None:
+        # an upstream that reports no queue of its own: the wait its metrics showed
+        queue, extra = state["queue_ms"], {"queue_from": "upstream_state"}
+        source = source or state.get("engine")
+    return {"source": f"gateway/{source}" if source else "gateway", **extra,
+            "front_ms": own + (inner.get("front_ms") or 0.0), "queue_ms": queue,
             "prefill_ms": inner.get("prefill_ms"), "decode_ms": inner.get("decode_ms"),
             "server_ttft_ms": t.get("ttft_ms"), "server_e2e_ms": t.get("e2e_ms"),
             "cached_tokens": inner.get("cached_tokens")}
@@ -111,17 +108,3 @@ def breakdown(splits: Sequence[dict[str, float | None] | None]) -> dict[str, Any
         out[f"{stage}_ms"] = distribution(values)
         out[f"{stage}_ms"]["share"] = sum(values) / total if total > 0 else None
     return out
-
-
-def diagnosis(stages: dict[str, Any] | None) -> str | None:
-    """One line naming the stage that took most of TTFT and what usually fixes it."""
-    if not stages:
-        return None
-    shares = {k[:-3]: v["share"] for k, v in stages.items() if v.get("share") is not None}
-    if not shares:
-        return None
-    stage = max(shares, key=shares.__getitem__)
-    label = stage.replace("_", " and ")
-    if shares[stage] < 0.5:
-        return f"no stage dominates TTFT; the largest is {label} ({shares[stage]:.0%})."
-    return f"TTFT is mostly {label} ({shares[stage]:.0%}): {ADVICE[stage]}."

@@ -135,6 +135,16 @@ def _queue_facts(view: RequestView) -> dict[str, Any]:
     raw = view.backend_raw()
     queue = raw.get("queue") if isinstance(raw.get("queue"), dict) else {}
     state = view.state or {}
+    upstream = raw.get("state") if isinstance(raw.get("state"), dict) else {}
+    if not queue and upstream:
+        # a gateway's upstream that reports no queue: the gateway sampled its metrics
+        queue = {"limit": upstream.get("limit") if upstream.get("queue_ms") else None,
+                 "running_at_arrival": upstream.get("running_at_sent"),
+                 "waiting_at_arrival": upstream.get("waiting_at_sent"),
+                 "max_num_seqs": upstream.get("capacity"), "engine": upstream.get("engine"),
+                 "waiting_seen_ms": upstream.get("queue_ms"),
+                 "kv_usage_at_arrival": upstream.get("kv_usage_at_sent"),
+                 "from": "server_state"}
     if not queue and state:
         queue = {"limit": state.get("limit") if state.get("queue_ms") else None,
                  "running_at_arrival": state.get("running_at_arrival"),

@@ -17,6 +17,7 @@ import httpx
 from lifeline.gateway.asgi_bridge import AppExchange, BridgeError
 from lifeline.gateway.config import BackendSpec, GatewayConfig
 from lifeline.gateway.health import CircuitBreaker
+from lifeline.gateway.upstream_state import UpstreamState
 
 log = logging.getLogger("lifeline.gateway")
 _CLOSING: set[asyncio.Task] = set()
@@ -167,10 +168,19 @@ class UpstreamBackend(Backend):
             limits=httpx.Limits(max_connections=1), trust_env=False)
         """Its own connection: a backend whose every request slot is busy still answers."""
         self.base = spec.base_url.rstrip("/")
+        self.state: UpstreamState | None = None
+        if spec.metrics_path:
+            headers = {"authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
+            self.state = UpstreamState(spec.root_url + spec.metrics_path,
+                                       spec.root_url + "/slots", spec.model, headers,
+                                       spec.state_interval_s, lambda: self.outstanding > 0)
 
     async def start(self, stack: contextlib.AsyncExitStack) -> None:
         stack.push_async_callback(self.http.aclose)
         stack.push_async_callback(self.health_http.aclose)
+        if self.state is not None:
+            self.state.start()
+            stack.push_async_callback(self.state.stop)
 
     async def open(self, path: str, body: bytes, headers: dict[str, str],
                    marks: dict[str, float], prefix: str | None = None) -> Exchange:

@@ -100,6 +100,10 @@ class BackendSpec:
     max_concurrency: int | None = None
     """Requests in flight at once; a backend at its limit is skipped."""
     health_path: str = "/health"
+    metrics_path: str | None = "/metrics"
+    """Upstream: its Prometheus metrics, sampled while it has requests so that each one
+    carries the upstream's side of its wait (`timings.backend.state`); None: not sampled."""
+    state_interval_s: float = 0.25
     ray: RaySpec | None = None
     """Ray: how its replicas are deployed (the model and engine are `model` and `engine`)."""
 
@@ -285,8 +289,11 @@ class _Builder:
                 if env not in os.environ:
                     raise t.fail("api_key_env", f"the environment has no {env!r}")
                 key = os.environ[env]
+            metrics = t.get("metrics_path", text, "/metrics")
             spec = BackendSpec(**common, base_url=base_url, api_key=key,
-                               health_path=t.get("health_path", text, "/health"))
+                               health_path=t.get("health_path", text, "/health"),
+                               metrics_path=metrics or None,
+                               state_interval_s=t.get("state_interval_s", positive, 0.25))
         else:
             if base_url is not None:
                 raise t.fail("base_url", f"a {kind} backend has no base_url")

@@ -31,6 +31,13 @@ def timings(relay: Any) -> dict[str, Any]:
     backend = None
     if relay.backend is not None:
         backend = {"name": relay.backend.name, **(relay.reported or {})}
+        upstream = getattr(relay.backend, "state", None)
+        if upstream is not None and sent is not None:
+            prefill = (normalize(relay.reported) or {}).get("prefill_ms") \
+                if relay.reported else None
+            attribution = upstream.attribution(sent, relay.first_output, prefill)
+            if attribution is not None:
+                backend["state"] = attribution
     return {"gateway_ms": ms(parsed - s.arrival), "routing_ms": ms(routed - parsed),
             "retries": sum(1 for a in relay.decision.attempts
                            if a["outcome"] not in ("skipped", "served", "answered")),
