@@ -70,7 +70,8 @@ def test_closed_loop_run_reports_the_summary_and_the_servers_token_counts(server
         assert split["client_network"] >= 0 and split["queue"] >= 0 and split["prefill"] > 0
         assert sum(split.values()) == pytest.approx(r["ttft_ms"])
     assert s["ttft_stages"]["queue_ms"]["count"] == REQUESTS
-    assert s["diagnosis"].startswith(("TTFT is mostly ", "no stage dominates TTFT"))
+    first = s["diagnoses"]["ttft"]["findings"][0]
+    assert s["diagnosis"].startswith("TTFT (p50 ") and first["title"] in s["diagnosis"]
 
 
 def test_find_max_users_on_a_small_budget_reports_the_search_and_cost(server, tmp_path):

@@ -43,7 +43,7 @@ def test_the_report_holds_well_formed_figures_and_marks_the_slo_knee():
     for svg in svgs:
         ET.fromstring(svg)
     assert page.count("SLO knee 4") == 2  # the largest concurrency that met the SLO
-    assert "queue: 20.0 ms" in page and "TTFT is mostly queue" in page
+    assert "queue: 20.0 ms" in page and "verdict: TTFT (p50 30 ms) is mostly queue (67%)" in page
     diagnosis = page[page.index("<h2>Diagnosis</h2>"):]
     first_row = re.search(r"<tr><td>(\d+)%</td><td>(\w+)</td>", diagnosis)
     assert first_row.group(2) == "queue" and int(first_row.group(1)) == round(20 / 30 * 100)

@@ -210,7 +210,7 @@ def render(results: dict[str, Any]) -> str:
              (f"output {s['output_throughput_tok_s'] or 0:,.1f} tok/s, "
              f"{s['request_throughput_rps'] or 0:,.2f} req/s")]
     if s.get("diagnosis"):
-        facts.append(s["diagnosis"])
+        facts.append(f"verdict: {s['diagnosis']}")
     figures = [*load_charts(results), stacked_ttft(results["requests"]),
                waterfall(results["requests"])]
     title = html.escape(f"lifeline bench · {settings.get('model')} · {settings.get('url')}")

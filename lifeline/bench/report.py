@@ -1,5 +1,6 @@
 """What a person reads: a live progress bar while the run goes, then a summary table, the TTFT
-stages, and the diagnosis: for TTFT and for TPOT the causes, ranked, with evidence and fixes."""
+stages, the diagnosis (for TTFT and for TPOT the causes, ranked, with evidence and fixes) and
+its verdict (`lifeline.bench.verdict`: each section's first cause, in one line)."""
 from __future__ import annotations
 
 from typing import Any, Self
@@ -126,8 +127,8 @@ def print_report(console: Console, results: dict[str, Any]) -> None:
             console.print(table)
         for line in diagnoses.get("missing") or ():
             console.print(f"[dim]not diagnosed: {escape(line)}[/]")
-    elif results["summary"].get("diagnosis"):
-        console.print(f"[bold]where the time went:[/] {results['summary']['diagnosis']}")
+    if results["summary"].get("diagnosis"):
+        console.print(f"[bold]verdict:[/] {escape(results['summary']['diagnosis'])}")
 
 
 SECTIONS = (("ttft", "Why TTFT", "ms_p50", "TTFT p50"),

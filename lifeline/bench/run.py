@@ -17,10 +17,11 @@ from lifeline.bench.load import LoadPlan, RunResult, Sent, run_load
 from lifeline.bench.metrics import Slo, distribution, request_metrics, summarize
 from lifeline.bench.server_join import join
 from lifeline.bench.server_state import INTERVAL_S, ServerSampler, server_info
-from lifeline.bench.stages import breakdown, diagnosis, ttft_split
+from lifeline.bench.stages import breakdown, ttft_split
 from lifeline.bench.step_fit import fit_steps
 from lifeline.bench.step_index import fetch_steps
 from lifeline.bench.text_cost import reference, sample_texts, text_stats
+from lifeline.bench.verdict import verdict
 from lifeline.bench.workloads import (
     Lengths,
     Tokenizer,
@@ -315,7 +316,6 @@ def results(settings: BenchSettings, result: RunResult, slo: Slo | None,
     splits = [ttft_split(s.trace, m) if m.ok else None for s, m in zip(sent, metrics)]
     summary = summarize(metrics, result.duration_s, slo)
     summary["ttft_stages"] = breakdown(splits)
-    summary["diagnosis"] = diagnosis(summary["ttft_stages"])
     summary["client_lag_ms"] = distribution((s.trace.sent - s.scheduled) * 1e3 for s in sent)
     records = []
     for i, (s, m, split) in enumerate(zip(sent, metrics, splits)):
@@ -339,6 +339,7 @@ def results(settings: BenchSettings, result: RunResult, slo: Slo | None,
     if server_state is not None:
         server_state["summary"] = join(out, server_state)
     summary["diagnoses"] = diagnose(out)
+    summary["diagnosis"] = verdict(summary["diagnoses"])
     out["step_log"] = log_summary(step_log)
     return out
 
