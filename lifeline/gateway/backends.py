@@ -168,19 +168,19 @@ class UpstreamBackend(Backend):
             limits=httpx.Limits(max_connections=1), trust_env=False)
         """Its own connection: a backend whose every request slot is busy still answers."""
         self.base = spec.base_url.rstrip("/")
-        self.state: UpstreamState | None = None
+        self.upstream_state: UpstreamState | None = None
         if spec.metrics_path:
             headers = {"authorization": f"Bearer {spec.api_key}"} if spec.api_key else {}
-            self.state = UpstreamState(spec.root_url + spec.metrics_path,
+            self.upstream_state = UpstreamState(spec.root_url + spec.metrics_path,
                                        spec.root_url + "/slots", spec.model, headers,
                                        spec.state_interval_s, lambda: self.outstanding > 0)
 
     async def start(self, stack: contextlib.AsyncExitStack) -> None:
         stack.push_async_callback(self.http.aclose)
         stack.push_async_callback(self.health_http.aclose)
-        if self.state is not None:
-            self.state.start()
-            stack.push_async_callback(self.state.stop)
+        if self.upstream_state is not None:
+            self.upstream_state.start()
+            stack.push_async_callback(self.upstream_state.stop)
 
     async def open(self, path: str, body: bytes, headers: dict[str, str],
                    marks: dict[str, float], prefix: str | None = None) -> Exchange:

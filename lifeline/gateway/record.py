@@ -31,7 +31,7 @@ def timings(relay: Any) -> dict[str, Any]:
     backend = None
     if relay.backend is not None:
         backend = {"name": relay.backend.name, **(relay.reported or {})}
-        upstream = getattr(relay.backend, "state", None)
+        upstream = getattr(relay.backend, "upstream_state", None)
         if upstream is not None and sent is not None:
             prefill = (normalize(relay.reported) or {}).get("prefill_ms") \
                 if relay.reported else None
