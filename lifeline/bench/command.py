@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +81,9 @@ def _workload_args(work: argparse._ArgumentGroup) -> None:
     work.add_argument("--exact-tokens", action="store_true",
                       help="request logprobs so multi-token events are counted exactly")
     work.add_argument("--seed", type=int, default=0)
+    work.add_argument("--extra-body", default=None, metavar="JSON",
+                      help="more fields for every request's body, e.g. '{\"cache_prompt\": "
+                           "false}' for llama.cpp")
 
 
 def _capacity_args(find: argparse._ArgumentGroup) -> None:
@@ -154,10 +158,22 @@ def settings_from(args: argparse.Namespace) -> BenchSettings:
         images=args.images, image_size=args.image_size,
         slo=args.slo, slo_attainment=parse_fraction(args.slo_attainment), seed=args.seed,
         timeout_s=args.timeout, api_key=args.api_key, admin_key=args.admin_key,
-        server_metrics=args.server_metrics,
+        server_metrics=args.server_metrics, extra_body=_extra_body(args.extra_body),
         server_metrics_interval_s=args.server_metrics_interval)
     settings.plan()
     return settings
+
+
+def _extra_body(text: str | None) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--extra-body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ValueError("--extra-body is a JSON object")
+    return body
 
 
 def _run(args: argparse.Namespace, settings: BenchSettings, console: Console) -> dict[str, Any]:

@@ -57,6 +57,50 @@ def diagnose(results: dict[str, Any], steps: Any = None) -> dict[str, Any]:
                   plan=str(settings.get("url", "")).startswith("plan://"))
     out = _sections(views, ctx, summary)
     out["missing"] = missing(views, ctx, results.get("diagnosis_notes") or [])
+    failed = failures(results)
+    if failed:
+        out["failures"] = failed
+    return out
+
+
+CONTEXT_WORDS = ("context", "max_model_len", "maximum context length", "too long")
+FAILURE_FIXES = {
+    ("context", "llama.cpp"): "each of llama.cpp's slots holds -c / -np tokens: raise -c, lower "
+                              "-np, or send shorter prompts",
+    ("context", "vllm"): "raise --max-model-len if the KV cache allows it, or send shorter "
+                         "prompts",
+    ("context", None): "the prompt and max_tokens exceed the server's context: raise it, or "
+                       "send shorter prompts",
+    ("overload", None): "the server refused work it had no room for: lower the load, or raise "
+                        "its limits (the queue's depth, the rate limit), or add replicas",
+    ("other", None): "read the messages: the server refused these requests",
+}
+
+
+def failures(results: dict[str, Any]) -> list[dict[str, Any]]:
+    """The run's failed requests grouped by what the server said, each with the knob that
+    usually fixes it (a prompt past a llama.cpp slot's context is refused, not queued)."""
+    failed = [r for r in results.get("requests") or () if not r.get("ok")]
+    if not failed:
+        return []
+    engine = (results.get("server_state") or {}).get("engine")
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for r in failed:
+        message = str(r.get("error_message") or "no message")[:200]
+        groups.setdefault(message, []).append(r)
+    out = []
+    for message, group in sorted(groups.items(), key=lambda g: -len(g[1])):
+        low = message.lower()
+        kind = ("context" if any(w in low for w in CONTEXT_WORDS) else
+                "overload" if any(w in low for w in ("429", "503", "overload", "busy"))
+                else "other")
+        fix = FAILURE_FIXES.get((kind, engine)) or FAILURE_FIXES[(kind, None)]
+        prompts = [r.get("expected_prompt_tokens") for r in group
+                   if r.get("expected_prompt_tokens")]
+        out.append({"kind": kind, "count": len(group), "message": message,
+                    "share": len(group) / len(results.get("requests") or [1]),
+                    "prompt_tokens_mean": sum(prompts) / len(prompts) if prompts else None,
+                    "fix": fix})
     return out
 
 

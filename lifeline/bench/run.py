@@ -11,6 +11,7 @@ from typing import Any
 import httpx
 
 from lifeline.bench import conversation
+from lifeline.bench.anchor import measure_anchor
 from lifeline.bench.client import BenchClient, BenchRequest
 from lifeline.bench.diagnose import diagnose
 from lifeline.bench.load import LoadPlan, RunResult, Sent, run_load
@@ -77,6 +78,9 @@ class BenchSettings:
     api_key: str | None = None
     admin_key: str | None = None
     """Sent to read the server's step log (`/debug/steps`) when its API keys guard it."""
+    extra_body: dict[str, Any] | None = None
+    """More fields for every request's body (an engine's own: llama.cpp's `cache_prompt`,
+    vLLM's `priority`)."""
     server_metrics: str = "auto"
     """The server's Prometheus metrics to sample during the run: `auto` (its `/metrics`, and
     llama.cpp's `/slots`, where they answer), a URL, or `off`."""
@@ -201,7 +205,8 @@ async def run_bench(settings: BenchSettings,
     async with client_type(settings.url, settings.model or "", endpoint=settings.endpoint,
                            api_key=settings.api_key, max_connections=connections,
                            timeout_s=settings.timeout_s, pin_output=settings.pin_output,
-                           extra_body=logprobs_body(settings)) as c:
+                           extra_body={**logprobs_body(settings),
+                                       **(settings.extra_body or {})}) as c:
         if not settings.model:
             c.model = settings.model = await resolve_model(c)
         if settings.long_context:
@@ -219,11 +224,12 @@ async def run_bench(settings: BenchSettings,
         finally:
             if sampler is not None:
                 await sampler.stop()
+        anchor = await measure_anchor(c, result)
         log, note = await step_log(c, result, since, settings.admin_key)
         state = await sampled_state(sampler, c, result)
-    return results(settings, result, slo, started, step_log=log, text=text,
-                   notes=[*notes, *([note] if note else []), *([why] if why else [])],
-                   server_state=state)
+    return anchor.mark(results(settings, result, slo, started, step_log=log, text=text,
+                               notes=[*notes, *anchor.notes, *([note] if note else []),
+                                      *([why] if why else [])], server_state=state))
 
 
 async def start_sampler(settings: BenchSettings, client: BenchClient
