@@ -1,0 +1,75 @@
+"""The KV context cause when every request of a run has a long context. One user sends only long
+prompts, so the run's decodes attend over a few dozen context lengths all far from zero and the
+step-cost fit has no step near zero context to price the base step by (it put the whole
+context's cost in the base, or most of it). The bench anchors the fit itself with short probe
+requests after the run (`lifeline.bench.anchor`); the test holds the KV context finding to what
+the context added as the client's clock measures it: the run's TPOT less the same server's TPOT
+at a short prompt, measured just before and just after. A real server on loopback, a tiny
+random-weight model with eight KV heads (its decode step grows with the context)."""
+import asyncio
+import time
+
+import httpx
+import pytest
+
+from lifeline.bench.anchor import PROBE_TOKENS, PROBES
+from lifeline.bench.run import BenchSettings, run_bench
+from lifeline.bench.step_index import WINDOW_MARGIN_S
+from tests.test_diagnosis import TIMING_TOLERANCE, _random_model, _serve
+from tests.word_models import word_tokenizer
+
+pytestmark = pytest.mark.alone
+"""The finding is held to a difference of wall-clock means measured minutes apart at most."""
+
+SHORT = 16
+
+
+@pytest.fixture(scope="module")
+def contexts(tmp_path_factory):
+    """Warmed with a short and a long request (a fresh server's first steps at a new context
+    length run several times slower)."""
+    path = tmp_path_factory.mktemp("anchor")
+    with _serve(_random_model(word_tokenizer(path), path, hidden=256, kv_heads=8), path) as srv:
+        for n in (SHORT, 3000):
+            httpx.post(srv.base_url + "/v1/completions", timeout=600, json={
+                "model": "tiny", "prompt": [(13 * j) % 90 + 2 for j in range(n)],
+                "max_tokens": 8, "ignore_eos": True}).raise_for_status()
+        yield srv
+
+
+def _bench(srv, prompt: int, requests: int) -> dict:
+    r = asyncio.run(run_bench(BenchSettings(url=srv.base_url + "/v1", concurrency=1,
+                                            requests=requests, input_tokens=prompt,
+                                            output_tokens=48, warmup=1)))
+    time.sleep(2 * WINDOW_MARGIN_S)  # the next run's step log starts after this one's steps
+    return r
+
+
+def _short_tpot(srv) -> float:
+    r = _bench(srv, SHORT, 3)
+    assert r["anchor"] is None  # its contexts start near zero: it needs no probe
+    return r["summary"]["tpot_ms"]["mean"]
+
+
+@pytest.mark.parametrize("prompt", [3000, 6000])
+def test_long_prompts_only_still_size_the_kv_context_against_short_prompts_tpot(contexts,
+                                                                               prompt):
+    before = _short_tpot(contexts)
+    r = _bench(contexts, prompt, 4)
+    after = _short_tpot(contexts)
+    findings = r["summary"]["diagnoses"]["output"]["findings"]
+    first = findings[0]
+    assert first["cause"] == "kv_context", findings
+    extra = r["summary"]["tpot_ms"]["mean"] - (before + after) / 2
+    assert abs(first["ms"] - extra) <= TIMING_TOLERANCE * extra, (first["ms"], extra, findings)
+
+    anchor = r["anchor"]
+    assert anchor["context_min"] == prompt and anchor["context_max"] == prompt + 47
+    assert len(anchor["probes"]) == PROBES
+    assert all(p["ok"] and p["output_tokens"] == PROBE_TOKENS and p["prompt_tokens"] <= 2 * SHORT
+               for p in anchor["probes"])
+    ids = {x["id"] for x in r["requests"]}
+    assert not ids & {p["id"] for p in anchor["probes"]}  # the probes are not the run's
+    assert r["summary"]["requests"] == len(r["requests"]) == 4
+    assert r["summary"]["prompt_tokens"] == 4 * prompt
+    assert not any("extrapolated" in m for m in r["summary"]["diagnoses"]["missing"])
