@@ -43,9 +43,7 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     _kv_cache_flag(p)
-    p.add_argument("--weights", choices=WEIGHT_FORMATS, default=DEFAULT_WEIGHTS,
-                   help="weight format (default int8-all: the fastest within 2%% of float32's "
-                        "perplexity; docs/performance.md)")
+    _device_flags(p)
 
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
@@ -69,6 +67,37 @@ def parse_bytes(text: str) -> int:
     return int(amount)
 
 
+def _device_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu",
+                   help="where the model runs: cpu (default) or cuda[:N] (weights, KV cache, "
+                        "attention and greedy sampling on the GPU; scheduling on the host)")
+    p.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
+                   help="weight format (default: on the CPU int8-all, the fastest within 2%% "
+                        "of float32's perplexity, docs/performance.md; on a GPU bf16, every "
+                        "weight in bfloat16, or fp32)")
+
+
+def device_problem(device: str) -> str | None:
+    """Why `device` cannot run the model here (None: it can)."""
+    if device == "cpu":
+        return None
+    import torch
+
+    if not device.startswith("cuda"):
+        return f"--device {device}: Lifeline runs on cpu or cuda[:N]"
+    if not torch.cuda.is_available():
+        return (f"--device {device}: this PyTorch ({torch.__version__}) sees no CUDA GPU; "
+                "install a CUDA build of torch on a machine with one")
+    return None
+
+
+def weights_for(args: argparse.Namespace) -> str | None:
+    """`--weights`, or the command line's default on the CPU (None: the device's own)."""
+    if args.weights is not None or args.device != "cpu":
+        return args.weights
+    return DEFAULT_WEIGHTS
+
+
 def _kv_cache_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=DEFAULT_KV_CACHE_BYTES,
                    help="memory for the KV cache, e.g. 512MiB or 4GiB (default 2GiB); the "
@@ -82,6 +111,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     from lifeline import LLM, SamplingParams
 
+    problem = device_problem(args.device)
+    if problem:
+        print(f"lifeline generate: {problem}", file=sys.stderr)
+        return 2
     prompts = list(args.prompt)
     if args.prompts_file:
         prompts += [line for line in args.prompts_file.read_text().splitlines() if line.strip()]
@@ -91,7 +124,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     console = Console()
     with console.status("loading model"):
         llm = LLM(args.model, enable_prefix_caching=not args.no_prefix_caching,
-                  max_num_batched_tokens=args.max_num_batched_tokens, weights=args.weights,
+                  max_num_batched_tokens=args.max_num_batched_tokens,
+                  weights=weights_for(args), device=args.device,
                   kv_cache_memory_bytes=args.kv_cache_memory_bytes)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
@@ -168,9 +202,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--step-log-size", type=int, default=4096,
                    help="engine steps kept for /debug/steps and the dashboard (0: none)")
-    p.add_argument("--weights", choices=WEIGHT_FORMATS, default=DEFAULT_WEIGHTS,
-                   help="weight format (default int8-all: the fastest within 2%% of float32's "
-                        "perplexity; docs/performance.md)")
+    _device_flags(p)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="run the model through torch.compile (default; dense models on the CPU; "
                         "compiles for seconds to a minute before /ready); --no-compile: eager")
@@ -237,12 +269,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if stray:
         print(f"lifeline serve: {', '.join(stray)} need --ray", file=sys.stderr)
         return 2
+    problem = device_problem(args.device)
+    if problem:
+        print(f"lifeline serve: {problem}", file=sys.stderr)
+        return 2
     from lifeline.model.loader import load_model
     from lifeline.server.run import build_app, serve
 
-    model = args.model
+    model, device = args.model, args.device
     try:
-        app = build_app(lambda: load_model(model), serve_config(args))
+        app = build_app(lambda: load_model(model, device=device), serve_config(args))
     except (RuntimeError, ValueError) as exc:
         print(f"lifeline serve: {exc}", file=sys.stderr)
         return 2
@@ -376,7 +412,8 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
                           max_model_len=args.max_model_len,
                           enable_prefix_caching=not args.no_prefix_caching,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-                          weights=args.weights, compile=args.compile,
+                          weights=weights_for(args), device=args.device,
+                          compile=args.compile,
                           step_log_size=args.step_log_size)
     name = args.served_model_name
     if name is None and args.model:

@@ -32,14 +32,16 @@ class GenerationResult:
 
 
 class LLM:
-    """`LLM()` serves the default model (Gemma 3 270M); `LLM(path)` a GGUF file or HF directory."""
+    """`LLM()` serves the default model (Gemma 3 270M); `LLM(path)` a GGUF file or HF directory.
+    `LLM(device="cuda")` runs it on a GPU, in bfloat16 (`EngineConfig`)."""
 
     def __init__(self, model: str | Path | LoadedModel | None = None, *,
                  dummy_weights: bool = False, **engine_kwargs: Any):
         if isinstance(model, LoadedModel):
             self.loaded = model
         else:
-            self.loaded = load_model(model, dummy=dummy_weights)
+            self.loaded = load_model(model, dummy=dummy_weights,
+                                     device=engine_kwargs.get("device"))
         self.engine = LLMEngine(self.loaded, EngineConfig(**engine_kwargs))
         self.tokenizer = self.loaded.tokenizer
 

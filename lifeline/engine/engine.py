@@ -30,6 +30,8 @@ if TYPE_CHECKING:
     from lifeline.model.loader import LoadedModel
 
 log = logging.getLogger("lifeline.engine")
+GPU_WEIGHTS = ("bf16", "fp32")
+"""Weight formats on a GPU: the whole model in that dtype (the int8 formats are fbgemm's)."""
 MAX_STEP_FAILURES = 3
 """A request in this many steps that raised, with no step of it alone succeeding in between,
 fails even if it never raised alone."""
@@ -52,16 +54,20 @@ class EngineConfig:
     sliding_window_kv: bool = True
     """Sliding-window layers give back the blocks their window left behind (hybrid models
     get a second block table and pool); False keeps every block for every layer."""
-    kv_dtype_bytes: float = 4
-    """Bytes of one cached K or V element: 4 for the model executor's fp32 pools; the planner
-    sizes the cache of the format it prices (2 for bf16, 1 for fp8, per device under TP)."""
+    kv_dtype_bytes: float | None = None
+    """Bytes of one cached K or V element; None: the model executor's pools, 2 where the model
+    runs in bfloat16 on a GPU, else 4 (float32). The planner sizes the cache of the format it
+    prices (2 for bf16, 1 for fp8, per device under TP)."""
     num_threads: int | None = None
     device: str = "cpu"
-    """Where weights, KV cache and logits live ('cpu', 'cuda'); scheduling stays on the CPU."""
-    weights: str = "fp32"
-    """'fp32' (as loaded, the exact reference path), 'bf16' or 'int8' (the LM head), 'int8-all'
-    (the head and every layer projection); see model/weight_format.py; the command line
-    defaults to int8-all. Applied to the loaded model in place."""
+    """Where weights, KV cache, attention and greedy sampling run ('cpu', 'cuda', 'cuda:N');
+    scheduling, detokenizing and stop checks stay on the host."""
+    weights: str | None = None
+    """On the CPU: 'fp32' (as loaded, the exact reference path), 'bf16' or 'int8' (the LM
+    head), 'int8-all' (the head and every layer projection); see model/weight_format.py; the
+    command line defaults to int8-all. On a GPU: 'bf16' (every weight and the KV cache in
+    bfloat16) or 'fp32'. None: the device's default, 'fp32' on the CPU and 'bf16' on a GPU.
+    Applied to the loaded model in place."""
 
     compile: bool = False
     """Run the model's forward through `torch.compile` (CPU, dense families; others stay
@@ -81,6 +87,17 @@ class EngineConfig:
             raise ValueError("block_size must be positive")
         if self.step_log_size < 0:
             raise ValueError("step_log_size must be non-negative")
+        kind = self.device.partition(":")[0]
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"device {self.device!r}: Lifeline runs on 'cpu' or 'cuda'")
+        on_gpu = kind == "cuda"
+        if self.weights is None:
+            self.weights = "bf16" if on_gpu else "fp32"
+        if on_gpu and self.weights not in GPU_WEIGHTS:
+            raise ValueError(f"weights {self.weights!r} run on the CPU only (fbgemm's int8); "
+                             f"on a GPU: {', '.join(GPU_WEIGHTS)}")
+        if self.kv_dtype_bytes is None:
+            self.kv_dtype_bytes = 2 if on_gpu and self.weights == "bf16" else 4
 
 
 @dataclass(slots=True)
@@ -201,8 +218,9 @@ class LLMEngine:
     def warmup(self) -> None:
         """Compile the forward's graphs before the first request: a step of several tokens
         (the graph of every batch and chunk size from 2 up) and one of a single token. A
-        no-op when the forward runs eagerly."""
-        if not self.compiled:
+        no-op when the forward runs eagerly on the CPU (on a GPU it loads the kernels and
+        the matrix library's handles, the first step's second or two)."""
+        if not self.compiled and self.config.device == "cpu":
             return
         params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
         for batch in (2, 1):  # 3-token prompts: no full block for the prefix cache to keep

@@ -13,6 +13,7 @@ from lifeline.engine.model_runner import ModelRunner, StepInputs
 from lifeline.engine.prompt_logprobs import gather_prompt_logprobs
 from lifeline.engine.sampler import Sampler, SamplerOutput, SamplingInput
 from lifeline.engine.scheduler import SchedulerOutput
+from lifeline.model.device import gpu_dtype, place_model, runs_on_gpu
 from lifeline.model.weight_format import apply_weight_format
 
 if TYPE_CHECKING:
@@ -25,15 +26,28 @@ class ModelExecutor:
     `config.weights` in place, lays its KV pools out as `layout` says and compiles its forward
     where `config.compile` asks and the family supports it."""
 
-    def __init__(self, loaded: LoadedModel, config: EngineConfig, layout: KVLayout):
+    def __init__(self, loaded: LoadedModel, config: EngineConfig, layout: KVLayout,
+                 dtype: torch.dtype | None = None):
+        """`dtype`: the whole model's and its KV pools' dtype; None: on a GPU the weight
+        format's (bf16 or fp32), on the CPU float32 with `config.weights` applied. Given on
+        the CPU, it runs the GPU's arithmetic there (tests)."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         model = loaded.model
-        model.to(config.device)
-        if config.weights != "fp32":
-            apply_weight_format(model, config.weights)
-            loaded.weight_format = f"{loaded.weight_format}->{config.weights}"
-        self.runner = ModelRunner(model, loaded.config, layout, device=config.device)
+        if dtype is None and runs_on_gpu(config.device):
+            dtype = gpu_dtype(config.weights)
+        if dtype is not None:
+            place_model(model, config.device, dtype)
+            loaded.weight_format = f"{loaded.weight_format}->{config.weights}@{config.device}"
+        else:
+            model.to(config.device)
+            if config.weights != "fp32":
+                apply_weight_format(model, config.weights)
+                loaded.weight_format = f"{loaded.weight_format}->{config.weights}"
+        self.dtype = dtype or torch.float32
+        """The activations' and the KV pools' dtype."""
+        self.runner = ModelRunner(model, loaded.config, layout, kv_dtype=self.dtype,
+                                  device=config.device)
         self.compiled = config.compile and self.runner.compile()
         """Whether the forward runs compiled (config.compile, where the model supports it)."""
         self.moe_stats = getattr(model, "moe_stats", None)
@@ -42,7 +56,8 @@ class ModelExecutor:
         self.vision = getattr(loaded, "vision", None)
         """The vision tower of a vision-language model (lifeline.model.vision), else None."""
         if self.vision is not None:
-            self.vision.to(config.device).eval()
+            place_model(self.vision, config.device, dtype)
+            self.vision.eval()
         self.encoder_cache = EncoderCache(config.encoder_cache_mib << 20)
 
     def execute(self, scheduled: SchedulerOutput) -> ModelOutput:
@@ -77,7 +92,7 @@ class ModelExecutor:
             if embeds is None:
                 pixels = torch.as_tensor(img.pixels)
                 embeds, encode_s, project_s = self.vision.encode_stages(
-                    pixels.to(self.runner.device))
+                    pixels.to(self.runner.device, self.dtype))
                 if embeds.shape[0] != img.num_embeds:
                     raise ValueError(f"an image's tower gives {embeds.shape[0]} rows for its "
                                      f"{img.num_embeds} tokens")

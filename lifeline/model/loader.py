@@ -77,16 +77,20 @@ def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
     setattr(owner, attr, nn.Parameter(tensor.contiguous(), requires_grad=False))
 
 
-def init_dummy_weights(model: nn.Module, seed: int = 0) -> None:
-    """Random weights of the right shapes, for performance work."""
-    gen = torch.Generator().manual_seed(seed)
+def init_dummy_weights(model: nn.Module, seed: int = 0, device: str | None = None) -> None:
+    """Random weights of the right shapes, for performance work. With a GPU `device`, drawn
+    there in bfloat16 (an 8B model's 16 GB in a second, where float32 on the CPU takes
+    minutes): the same seed gives other values than on the CPU."""
+    device = torch.device(device or "cpu")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    gen = torch.Generator(device=device).manual_seed(seed)
     for name, param in list(model.named_parameters()):
         if not param.is_meta:
             continue
         if name.endswith("norm.weight"):
-            tensor = torch.ones(param.shape)
+            tensor = torch.ones(param.shape, dtype=dtype, device=device)
         else:
-            tensor = torch.randn(param.shape, generator=gen) * 0.02
+            tensor = torch.randn(param.shape, generator=gen, dtype=dtype, device=device) * 0.02
         _set_param(model, name, tensor)
     if model.config.tie_word_embeddings:
         model.lm_head.weight = model.embed_tokens.weight
@@ -122,12 +126,15 @@ def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
         w.shape)
 
 
-def load_gguf(path: str | Path, dummy: bool = False) -> LoadedModel:
+def load_gguf(path: str | Path, dummy: bool = False, device: str | None = None
+              ) -> LoadedModel:
+    """`device`: where dummy weights are drawn (`init_dummy_weights`); real ones are
+    dequantized on the CPU, and the engine places them."""
     gf = GGUFFile(path)
     cfg = config_from_gguf_header(gf.metadata, {n: gf.tensor_shape(n) for n in gf.tensor_names})
     model = build_model(cfg)
     if dummy:
-        init_dummy_weights(model)
+        init_dummy_weights(model, device=device)
     else:
         load_weights(model, _gguf_weights(gf, cfg))
     tokenizer = GGUFTokenizer.from_gguf_reader(gf.reader)
@@ -155,13 +162,14 @@ def _hf_weights(path: Path, vision: dict[str, torch.Tensor] | None = None
 _VISION_NAME = re.compile(r"^(model\.)?(vision_model|vision_tower|connector|multi_modal_projector)\.")
 
 
-def load_hf(path: str | Path, dummy: bool = False) -> LoadedModel:
+def load_hf(path: str | Path, dummy: bool = False, device: str | None = None
+            ) -> LoadedModel:
     path = Path(path)
     cfg = config_from_hf(path)
     model = build_model(cfg)
     tower = build_vision(cfg) if cfg.vision else None
-    if dummy:
-        init_dummy_weights(model)  # a tower keeps torch's own random initialisation
+    if dummy:  # a tower keeps torch's own random initialisation
+        init_dummy_weights(model, device=device)
     else:
         vision: dict[str, torch.Tensor] | None = {} if tower is not None else None
         weights = _hf_weights(path, vision)
@@ -184,27 +192,30 @@ def build_vision(cfg: ModelConfig) -> nn.Module:
                        scale_factor=spec.scale_factor, tokens_per_image=spec.tokens_per_image)
 
 
-def load_preset(name: str, seed: int = 0) -> LoadedModel:
-    """A preset architecture (lifeline/model/presets.py) with random weights, no tokenizer."""
+def load_preset(name: str, seed: int = 0, device: str | None = None) -> LoadedModel:
+    """A preset architecture (lifeline/model/presets.py) with random weights, no tokenizer;
+    drawn on `device` (`init_dummy_weights`)."""
     cfg = preset_config(name)
     model = build_model(cfg)
-    init_dummy_weights(model, seed)
+    init_dummy_weights(model, seed, device)
     tower = build_vision(cfg).eval() if cfg.vision else None  # torch's random initialisation
     return LoadedModel(model.eval(), cfg, None, f"preset:{name}", "dummy-f32", tower)
 
 
-def load_model(path: str | Path | None = None, dummy: bool = False) -> LoadedModel:
+def load_model(path: str | Path | None = None, dummy: bool = False,
+               device: str | None = None) -> LoadedModel:
     """A GGUF file, a Hugging Face directory, `preset:NAME` (random weights), or a model's name
-    (lifeline.model.default.NAMED_MODELS: `gemma-3-270m`, `smollm2-135m-instruct`)."""
+    (lifeline.model.default.NAMED_MODELS: `gemma-3-270m`, `smollm2-135m-instruct`). `device`:
+    where random weights are drawn (the device the engine will run on)."""
     if isinstance(path, str) and path.startswith("preset:"):
-        return load_preset(path.removeprefix("preset:"))
+        return load_preset(path.removeprefix("preset:"), device=device)
     if path is None:
         path = default_model_path()
     elif isinstance(path, str) and not Path(path).exists():
         path = named_model_path(path) or path
     path = Path(path)
     if path.is_dir():
-        return load_hf(path, dummy)
+        return load_hf(path, dummy, device)
     if path.suffix == ".gguf" or path.is_file():
-        return load_gguf(path, dummy)
+        return load_gguf(path, dummy, device)
     raise FileNotFoundError(f"no model at {path}: expected a .gguf file or a Hugging Face directory")

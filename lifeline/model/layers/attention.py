@@ -64,8 +64,8 @@ class AttentionMetadata:
         if torch.device(device).type == "cpu":
             return self
         move = lambda t: None if t is None else t.to(device, non_blocking=True)
-        prefills = [PrefillSeq(p.start, p.num_tokens, p.context_len, move(p.slots))
-                    for p in self.prefills]
+        prefills = [PrefillSeq(p.start, p.num_tokens, p.context_len, move(p.slots),
+                               p.both_ways) for p in self.prefills]
         window_meta = self.window_meta.to(device) if self.window_meta is not None else None
         return AttentionMetadata(move(self.slot_mapping), self.num_decodes,
                                  move(self.decode_slots), move(self.decode_positions),

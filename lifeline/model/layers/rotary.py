@@ -54,7 +54,8 @@ class RotaryEmbedding(nn.Module):
                 self._cos_sin = (self.cos[positions].unsqueeze(1),
                                  self.sin[positions].unsqueeze(1))
             cos, sin = self._cos_sin
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        # float32 tables: bf16 activations rotate in float32, rounded once (a no-op in float32)
+        return _rotate(q, cos, sin).to(q.dtype), _rotate(k, cos, sin).to(k.dtype)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
