@@ -50,7 +50,8 @@ def test_captured_metrics_parse_to_the_engines_fields(engine, name):
         assert isinstance(record["queue_s"], list) and "kv_usage" in record
         assert {"prefix_queries", "preemptions", "prefill_s"} <= set(record)
     else:
-        assert {"kv_usage", "prompt_seconds", "decode_calls"} <= set(record)
+        # this build's names: no KV gauge, prompt tokens computed and cached counted apart
+        assert {"prompt_seconds", "decode_calls", "cached_tokens"} <= set(record)
 
 
 def test_captured_slots_name_the_slots_and_their_context():
@@ -159,3 +160,16 @@ def test_sglang_from_its_documented_metrics():
     assert all(s["queue_ms"] == pytest.approx(2000, abs=150) for s in late)
     first = results["summary"]["diagnoses"]["ttft"]["findings"][0]
     assert first["cause"] == "queue" and "--max-running-requests" in first["fix"]
+
+
+def test_the_timeline_holds_each_sample_halfway_to_its_neighbours():
+    from lifeline.bench.server_join import Timeline, waiting
+
+    t = Timeline([{"t": 0.0, "waiting": 0, "running": 1}, {"t": 1.0, "waiting": 3, "running": 2},
+                  {"t": 2.0, "waiting": 0, "running": 2}])
+    assert t.at(0.49)["waiting"] == 0 and t.at(0.51)["waiting"] == 3
+    assert t.seconds(0.0, 3.0, waiting) == pytest.approx(1.0)   # 0.5 to 1.5
+    assert t.seconds(1.2, 1.4, waiting) == pytest.approx(0.2)
+    assert t.seconds(-5.0, 0.4, waiting) == 0.0
+    assert t.mean(0.0, 2.0, "running") == pytest.approx((0.5 * 1 + 1.5 * 2) / 2)
+    assert t.peak(0.0, 0.4, "running") == 1

@@ -109,6 +109,11 @@ def run_summary(state: dict[str, Any]) -> dict[str, Any]:
                 "prefix_hits", "decode_calls", "prompt_seconds", "generation_seconds"):
         if first.get(key) is not None and last.get(key) is not None:
             out[key] = last[key] - first[key]
+    if first.get("cached_tokens") is not None and last.get("cached_tokens") is not None:
+        # llama.cpp counts prompt tokens computed and reused from a slot's cache apart
+        out["cached_tokens"] = last["cached_tokens"] - first["cached_tokens"]
+        out["prefix_hits"] = out["cached_tokens"]
+        out["prefix_queries"] = out["cached_tokens"] + out.get("prompt_tokens", 0)
     if out.get("prefix_queries"):
         out["prefix_hit_rate"] = out.get("prefix_hits", 0) / out["prefix_queries"]
     elif state.get("engine") == "sglang" and last.get("cache_hit_rate") is not None:

@@ -62,6 +62,7 @@ ENGINES: dict[str, dict[str, tuple[str, str]]] = {
         "kv_usage": ("llamacpp:kv_cache_usage_ratio", "gauge"),
         "kv_tokens": ("llamacpp:kv_cache_tokens", "gauge"),
         "prompt_tokens": ("llamacpp:prompt_tokens", "counter"),
+        "cached_tokens": ("llamacpp:prompt_tokens_cached", "counter"),
         "generation_tokens": ("llamacpp:tokens_predicted", "counter"),
         "prompt_seconds": ("llamacpp:prompt_seconds", "counter"),
         "generation_seconds": ("llamacpp:tokens_predicted_seconds", "counter"),
