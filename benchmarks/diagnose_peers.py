@@ -234,6 +234,33 @@ def scenario_vllm_kv(a: argparse.Namespace) -> dict[str, Any]:
             "how": "vLLM's queue-time histogram over the run, mean (preemptions counted)"}
 
 
+def sampling_cost(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """What sampling costs the server: one user's TPOT and TTFT with sampling off, at the
+    default 200 ms, and at 50 ms (four times as often), alternated three times on one server."""
+    rows = {"off": [], "200 ms": [], "50 ms": []}
+    flags = {"off": ["--server-metrics", "off"], "200 ms": [],
+             "50 ms": ["--server-metrics-interval", "0.05"]}
+    scrape: list[float] = []
+    with llama_server(a.llama_server, a.gguf, 1, 4096) as s:
+        for _ in range(3):
+            for label, extra in flags.items():
+                r = bench(s, ["--concurrency", "1", "--requests", "6", "--warmup", "1",
+                              "--input-tokens", "128", "--output-tokens", "128", *extra])
+                rows[label].append((mean(x["tpot_ms"] for x in ok(r)),
+                                    mean(x["ttft_ms"] for x in ok(r))))
+                state = r.get("server_state") or {}
+                if state.get("scrape_ms_p50"):
+                    scrape.append(state["scrape_ms_p50"])
+    out = []
+    base = mean(t for t, _ in rows["off"])
+    for label, values in rows.items():
+        tpot = mean(t for t, _ in values)
+        out.append({"sampling": label, "tpot_ms": tpot, "ttft_ms": mean(t for _, t in values),
+                    "tpot_vs_off": tpot / base if base else None})
+    out.append({"sampling": "scrape (/metrics + /slots), p50 ms", "tpot_ms": mean(scrape)})
+    return out
+
+
 SCENARIOS: dict[str, Callable[[argparse.Namespace], dict[str, Any]]] = {
     "slots": scenario_slots, "prefill": scenario_prefill, "batch": scenario_batch,
     "prefix": scenario_prefix, "context": scenario_context, "vllm_seqs": scenario_vllm_seqs,
@@ -288,6 +315,17 @@ def main() -> None:
         *(LLAMA if a.llama_server else ()), *(VLLM if a.vllm_python else ())]
     a.out.mkdir(parents=True, exist_ok=True)
     console, rows = Console(), []
+    if "cost" in names:
+        names.remove("cost")
+        cost = sampling_cost(a)
+        (a.out / "cost.json").write_text(json.dumps(cost, indent=1))
+        table = Table("sampling", "TPOT ms", "TTFT ms", "TPOT vs off",
+                      title="what sampling /metrics and /slots costs llama-server (one user)")
+        for r in cost:
+            table.add_row(r["sampling"], f"{r['tpot_ms']:,.2f}",
+                          f"{r['ttft_ms']:,.1f}" if r.get("ttft_ms") is not None else "",
+                          f"{r['tpot_vs_off']:.3f}" if r.get("tpot_vs_off") else "")
+        console.print(table)
     for name in names:
         console.print(f"[bold]{name}[/]: {SCENARIOS[name].__doc__.splitlines()[0]}")
         out = SCENARIOS[name](a)
