@@ -182,6 +182,12 @@ def diagnosis_section(diagnoses: dict[str, Any] | None) -> str:
                        f"{html.escape(f.get('evidence') or '')}<br><i>fix:</i> "
                        f"{html.escape(f.get('fix') or '')}</td></tr>")
         out.append("</table>")
+    failures = diagnoses.get("failures") or []
+    if failures:
+        out.append("<h3>Failures</h3><ul>" + "".join(
+            f"<li><b>{f['count']} ({html.escape(f['kind'])})</b>: "
+            f"{html.escape(f['message'])}<br><i>fix:</i> {html.escape(f['fix'])}</li>"
+            for f in failures) + "</ul>")
     missing = diagnoses.get("missing") or []
     if missing:
         out.append("<h3>Not diagnosed</h3><ul>"
@@ -204,6 +210,19 @@ def _share_bar(findings: list[dict[str, Any]]) -> str:
             f'font-family="sans-serif">{"".join(parts)}</svg>')
 
 
+def server_state_chart(state: dict[str, Any] | None) -> str:
+    """The server's own running and waiting requests through the run, as it reported them."""
+    samples = [x for x in (state or {}).get("samples") or () if x.get("t", -1) >= 0]
+    series = {key: [(x["t"], x[key]) for x in samples if x.get(key) is not None]
+              for key in ("running", "waiting")}
+    series = {k: v for k, v in series.items() if v}
+    if not series:
+        return ""
+    return line_chart(f"{state.get('engine')}'s own state (/metrics every "
+                      f"{(state.get('interval_s') or 0) * 1e3:,.0f} ms)", series,
+                      "seconds into the run", "requests")
+
+
 def render(results: dict[str, Any]) -> str:
     s, settings = results["summary"], results["settings"]
     facts = [f"{s['successful']} ok, {s['failed']} failed in {s['duration_s']:.2f} s",
@@ -211,8 +230,8 @@ def render(results: dict[str, Any]) -> str:
              f"{s['request_throughput_rps'] or 0:,.2f} req/s")]
     if s.get("diagnosis"):
         facts.append(f"verdict: {s['diagnosis']}")
-    figures = [*load_charts(results), stacked_ttft(results["requests"]),
-               waterfall(results["requests"])]
+    figures = [*load_charts(results), server_state_chart(results.get("server_state")),
+               stacked_ttft(results["requests"]), waterfall(results["requests"])]
     title = html.escape(f"lifeline bench · {settings.get('model')} · {settings.get('url')}")
     return ("<!doctype html><html><head><meta charset='utf-8'>"
             f"<title>{title}</title><style>body{{font-family:sans-serif;margin:2em}}"

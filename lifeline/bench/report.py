@@ -125,6 +125,9 @@ def print_report(console: Console, results: dict[str, Any]) -> None:
     if diagnoses:
         for table in diagnosis_tables(diagnoses):
             console.print(table)
+        for f in diagnoses.get("failures") or ():
+            console.print(f"[red]{f['count']} failed[/] ({f['kind']}): {escape(f['message'])}"
+                          f"\n  fix: {escape(f['fix'])}")
         for line in diagnoses.get("missing") or ():
             console.print(f"[dim]not diagnosed: {escape(line)}[/]")
     if results["summary"].get("diagnosis"):
