@@ -344,10 +344,28 @@ def results(settings: BenchSettings, result: RunResult, slo: Slo | None,
            "server_state": server_state}
     if server_state is not None:
         server_state["summary"] = join(out, server_state)
+        rejoined = _rejoined_splits(records)
+        if rejoined:
+            summary["ttft_stages"] = breakdown(rejoined)
     summary["diagnoses"] = diagnose(out)
     summary["diagnosis"] = verdict(summary["diagnoses"])
     out["step_log"] = log_summary(step_log)
     return out
+
+
+def _rejoined_splits(records: list[dict[str, Any]]) -> list[dict[str, float | None]]:
+    """The TTFT splits again where the join gave a request the queue its server did not
+    report (the records' `ttft_split_ms` and the summary's stages then show it)."""
+    out = []
+    for r in records:
+        stages = (r.get("server_state") or {}).get("stages")
+        if stages and r.get("ttft_ms") is not None:
+            parts = {k: stages.get(f"{k}_ms") for k in ("front", "queue", "prefill")}
+            r["ttft_split_ms"] = {"client_network": r["ttft_ms"] - sum(
+                v for v in parts.values() if v is not None), **parts}
+        if r.get("ttft_split_ms"):
+            out.append(r["ttft_split_ms"])
+    return out if any((r.get("server_state") or {}).get("stages") for r in records) else []
 
 
 def log_summary(log: dict[str, Any] | None) -> dict[str, Any] | None:

@@ -66,6 +66,11 @@ def _own_and_others(view: RequestView, index: StepIndex | None, prefill_ms: floa
     facts: dict[str, Any] = {"prefill_ms": prefill_ms, "chunks": len(chunks)}
     raw = view.backend_raw()
     facts["prompt_tokens"] = raw.get("prompt_tokens")
+    if facts["prompt_tokens"] is None and raw.get("prompt_n") is not None:
+        # llama.cpp: the tokens it computed, and those its slot's cache served
+        facts["prompt_tokens"] = raw["prompt_n"] + (raw.get("cache_n") or 0)
+    if facts["prompt_tokens"] is None and view.state.get("context_first"):
+        facts["prompt_tokens"] = view.state["context_first"]
     facts["cached_tokens"] = (view.stages or {}).get("cached_tokens")
     if not chunks:
         return prefill_ms, 0.0, prefill_ms, facts
