@@ -150,6 +150,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="a gateway file (TOML or YAML) declaring several models and their "
                         "backends, local engines or upstream servers (docs/gateway.md)")
     p.add_argument("--model", default=None, help=MODEL_HELP)
+    p.add_argument("--tokenizer", default=None,
+                   help="a tokenizer (GGUF file or HF directory) for a preset's random weights, "
+                        "so that text clients and `lifeline bench` see text; it must cover the "
+                        "model's vocabulary")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--served-model-name", default=None,
@@ -273,12 +277,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if problem:
         print(f"lifeline serve: {problem}", file=sys.stderr)
         return 2
-    from lifeline.model.loader import load_model
+    from lifeline.model.loader import attach_tokenizer, load_model
     from lifeline.server.run import build_app, serve
 
-    model, device = args.model, args.device
+    model, device, tokenizer = args.model, args.device, args.tokenizer
+
+    def load() -> Any:
+        loaded = load_model(model, device=device)
+        if tokenizer is not None:
+            attach_tokenizer(loaded, tokenizer)
+        return loaded
+
     try:
-        app = build_app(lambda: load_model(model, device=device), serve_config(args))
+        app = build_app(load, serve_config(args))
     except (RuntimeError, ValueError) as exc:
         print(f"lifeline serve: {exc}", file=sys.stderr)
         return 2
@@ -287,9 +298,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 RAY_FLAGS = ("ray", "ray_address", "replicas", "min_replicas", "max_replicas",
              "target_ongoing_requests")
-NOT_WITH_RAY = ("rate_limit_tpm", "otlp_endpoint", "allowed_origins")
+NOT_WITH_RAY = ("rate_limit_tpm", "otlp_endpoint", "allowed_origins", "tokenizer")
 """Flags of the single-model server that the gateway in front of Ray replicas does not have:
-it counts no tokens, exports no spans, and answers no CORS preflight."""
+it counts no tokens, exports no spans, and answers no CORS preflight; its replicas load their
+model's own tokenizer."""
 GATEWAY_FLAGS = ("config", "host", "port", "api_key", "huge_pages", "command", "exec_allowed")
 """`serve` flags that apply with `--config`; the file says everything else."""
 

@@ -16,8 +16,15 @@ from lifeline.cli import build_parser, main, serve_config
 from lifeline.engine.engine import EngineConfig, LLMEngine
 from lifeline.engine.model_executor import ModelExecutor
 from lifeline.model.config import ModelConfig, gemma3_layer_types
+from lifeline.model.default import smollm2_model_path
 from lifeline.model.device import parameter_bytes, place_model
-from lifeline.model.loader import LoadedModel, build_model, init_dummy_weights, load_model
+from lifeline.model.loader import (
+    LoadedModel,
+    attach_tokenizer,
+    build_model,
+    init_dummy_weights,
+    load_model,
+)
 from lifeline.model.presets import preset_config, shape_model
 from tests.reference.agreement import compare
 
@@ -63,6 +70,18 @@ def test_llama_8b_placed_in_bf16_is_16_gb():
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     assert 2 * 8.02e9 < parameter_bytes(model) < 2 * 8.04e9
     assert parameter_bytes(model) == 2 * preset_config("llama-3.1-8b").num_params()
+
+
+def test_a_preset_takes_a_tokenizer_that_covers_its_vocabulary():
+    """`lifeline serve --model preset:NAME --tokenizer PATH` (how benchmarks/gpu.py gives the
+    random 8B model text output for `lifeline bench`)."""
+    smollm2 = smollm2_model_path()
+    small = LoadedModel(None, preset_config("scaled-dense-same-active"), None, "preset", "dummy")
+    attach_tokenizer(small, smollm2)
+    assert small.tokenizer.decode(small.tokenizer.encode("Hello there")) == "Hello there"
+    big = LoadedModel(None, preset_config("llama-3.1-8b"), None, "preset", "dummy")
+    with pytest.raises(ValueError, match="fewer than the model's 128256"):
+        attach_tokenizer(big, smollm2)
 
 
 def _tiny(architecture: str) -> LoadedModel:

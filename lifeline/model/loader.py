@@ -202,6 +202,18 @@ def load_preset(name: str, seed: int = 0, device: str | None = None) -> LoadedMo
     return LoadedModel(model.eval(), cfg, None, f"preset:{name}", "dummy-f32", tower)
 
 
+def attach_tokenizer(loaded: LoadedModel, path: str | Path) -> None:
+    """Gives a model (a preset's random weights) the tokenizer at `path`, which must name
+    every token the model can produce."""
+    from lifeline.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(path)
+    if tokenizer.vocab_size < loaded.config.vocab_size:
+        raise ValueError(f"the tokenizer {path} has {tokenizer.vocab_size} tokens, fewer than "
+                         f"the model's {loaded.config.vocab_size}")
+    loaded.tokenizer = tokenizer
+
+
 def load_model(path: str | Path | None = None, dummy: bool = False,
                device: str | None = None) -> LoadedModel:
     """A GGUF file, a Hugging Face directory, `preset:NAME` (random weights), or a model's name
