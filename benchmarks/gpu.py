@@ -16,7 +16,7 @@ the results are in docs/performance.md, "On a GPU"):
    run beside part 1 (on the host's cores, before any row is measured): measured against
    predicted, with the error of each.
 4. OUT/gpu.json (everything, each row's plan summary too), OUT/bench_rows.json.gz (each row's
-   whole `lifeline bench` results).
+   whole `lifeline bench` results), OUT/serve.log (the server's log).
 
 Rows not begun by `--deadline-s` are skipped and marked so.
 """
@@ -167,14 +167,25 @@ def serve_args(args: argparse.Namespace) -> list[str]:
 def bench(args: argparse.Namespace, todo: list[Row], deadline: float
           ) -> tuple[dict[str, Any], dict[str, Any], float]:
     """Each row's results (`lifeline bench`'s JSON) and KV usage; the server's start time."""
-    from lifeline.bench.run import BenchSettings, run_bench
     from lifeline.plan.calibrate import ServeProcess
 
     results, kv = {}, {}
+    server = ServeProcess(serve_args(args), timeout_s=300)
+    try:
+        _bench_rows(args, todo, deadline, server, results, kv)
+    finally:  # the server's log, for whatever went wrong there
+        (args.out / "serve.log").write_text(server.log.read_text()[-(4 << 20):])
+    return results, kv, getattr(server, "start_s", None)
+
+
+def _bench_rows(args: argparse.Namespace, todo: list[Row], deadline: float, server: Any,
+                results: dict[str, Any], kv: dict[str, Any]) -> None:
+    from lifeline.bench.run import BenchSettings, run_bench
+
     t0 = time.perf_counter()
-    with ServeProcess(serve_args(args), timeout_s=300) as server:
-        start_s = time.perf_counter() - t0
-        print(f"server ready in {start_s:.1f} s", flush=True)
+    with server:
+        server.start_s = time.perf_counter() - t0
+        print(f"server ready in {server.start_s:.1f} s", flush=True)
         for row in todo:
             if time.monotonic() > deadline:
                 print(f"{row.key}: skipped (deadline)", flush=True)
@@ -194,7 +205,6 @@ def bench(args: argparse.Namespace, todo: list[Row], deadline: float
                   f"{kv[row.key]['peak']:.0%}, {kv[row.key]['wall_s']:.0f} s", flush=True)
             if s["failed"]:
                 print(f"  errors: {json.dumps(s['errors'])[:500]}", flush=True)
-    return results, kv, start_s
 
 
 def _f(value: float | None) -> str:
@@ -362,8 +372,13 @@ def main() -> int:
     running = start_plans(args, todo, plan_dir) if "plan" in parts else {}
     if "agreement" in parts:
         t0 = time.monotonic()
-        report["agreement"] = [agreement(name, model_path(args, name), args.device)
-                               for name in args.models.split(",")]
+        report["agreement"] = []
+        for name in args.models.split(","):
+            try:
+                report["agreement"].append(agreement(name, model_path(args, name), args.device))
+            except Exception as exc:  # noqa: BLE001 - recorded; the run goes on
+                report["agreement"].append({"model": name, "ok": False, "cases": [],
+                                            "error": repr(exc)[-4000:]})
         report["timings_s"]["agreement"] = time.monotonic() - t0
         for a in report["agreement"]:
             print(f"agreement {a['model']}: {'ok' if a['ok'] else 'FAILED'} "
@@ -376,7 +391,11 @@ def main() -> int:
     measured, kv = {}, {}
     if "bench" in parts:
         t0 = time.monotonic()
-        measured, kv, report["server_start_s"] = bench(args, todo, deadline)
+        try:
+            measured, kv, report["server_start_s"] = bench(args, todo, deadline)
+        except Exception as exc:  # noqa: BLE001 - the other parts' results are still written
+            report["bench_error"] = repr(exc)[-4000:]
+            print(f"bench failed: {report['bench_error']}", flush=True)
         report["timings_s"]["bench"] = time.monotonic() - t0
     report["rows"] = compare_rows(todo, measured, kv, plans)
     report["plans"] = {k: {"summary": {m: p["summary"][m] for m in PLAN_SUMMARY},
