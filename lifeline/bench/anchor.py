@@ -85,12 +85,35 @@ def probe_requests() -> list[BenchRequest]:
     return out
 
 
+def most_in_flight(result: RunResult) -> int:
+    """The most measured requests in flight at once (from the client's clock)."""
+    events = sorted([(s.trace.sent, 1) for s in result.sent if s.trace.done]
+                    + [(s.trace.done, -1) for s in result.sent if s.trace.done])
+    most = now = 0
+    for _, step in events:
+        now += step
+        most = max(most, now)
+    return most
+
+
 async def measure_anchor(client: BenchClient, result: RunResult) -> Anchor:
-    """Probe the server after `result`'s run when its contexts never came near zero."""
+    """Probe the server after `result`'s run when its contexts never came near zero, or, on a
+    server without a step log, when no request ran alone (the fit over the run's requests
+    would extrapolate the step alone from batches of several)."""
     span = contexts(result)
-    if not needs_anchor(span) or not keeps_step_log(result):
+    if span is None:
+        return Anchor()
+    if keeps_step_log(result):
+        if not needs_anchor(span):
+            return Anchor()
+    elif not needs_anchor(span) and most_in_flight(result) <= 1:
         return Anchor()
     shortest, longest = span
+    if not keeps_step_log(result) and not needs_anchor(span):
+        why = ("no request of the run ran alone on this server (it keeps no step log): short "
+               "probes, sent one at a time after the run, measure the step alone")
+    else:
+        why = None
     probes = []
     for req in probe_requests():
         trace = await client.send(req)
@@ -98,9 +121,9 @@ async def measure_anchor(client: BenchClient, result: RunResult) -> Anchor:
         probes.append({"id": trace.response_id, **{k: v for k, v in m.scalars().items()
                                                     if k in PROBE_FIELDS}})
     tpots = [p["tpot_ms"] for p in probes if p["ok"] and p["tpot_ms"] is not None]
-    record = {"why": f"the run's decodes attended over {shortest:,} to {longest:,} tokens of "
-                     "context, never near zero: short probes, sent one at a time after the "
-                     "run, anchor the step fit's no-context step",
+    record = {"why": why or f"the run's decodes attended over {shortest:,} to {longest:,} "
+                            "tokens of context, never near zero: short probes, sent one at a "
+                            "time after the run, anchor the step fit's no-context step",
               "context_min": shortest, "context_max": longest, "probes": probes,
               "tpot_ms": sum(tpots) / len(tpots) if tpots else None}
     if tpots:

@@ -54,7 +54,8 @@ def diagnose(results: dict[str, Any], steps: Any = None) -> dict[str, Any]:
     settings = results.get("settings") or {}
     ctx = Context(text=results.get("text_cost"), index=index,
                   client_lag_ms=summary.get("client_lag_ms"),
-                  plan=str(settings.get("url", "")).startswith("plan://"))
+                  plan=str(settings.get("url", "")).startswith("plan://"),
+                  anchor=results.get("anchor"))
     out = _sections(views, ctx, summary)
     out["missing"] = missing(views, ctx, results.get("diagnosis_notes") or [])
     failed = failures(results)
@@ -145,7 +146,7 @@ def _sections(views: Sequence[RequestView], ctx: Context, summary: dict[str, Any
     ttft = [s for v in views if (s := split_ttft(v, ctx.index, ctx.text)) is not None]
     pairs = [(v, s) for v in views if (s := split_tpot(v, ctx.index)) is not None]
     if ctx.index is None:
-        ctx.state_fit = refine(pairs)
+        ctx.state_fit = refine(pairs, ctx.anchor)
     tpot = [s for _, s in pairs]
     out = {"ttft": {"ms_p50": _p50(summary, "ttft_ms", [s.facts["ttft_ms"] for s in ttft]),
                     "ms_mean": _mean([sum(s.parts.values()) for s in ttft]),

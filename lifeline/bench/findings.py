@@ -23,6 +23,8 @@ class Context:
     plan: bool
     state_fit: dict[str, Any] | None = None
     """The output's fit over requests from the server's sampled state (no step log)."""
+    anchor: dict[str, Any] | None = None
+    """The bench's probes sent alone after the run (`lifeline.bench.anchor`)."""
 
 
 @dataclass(slots=True)
@@ -337,7 +339,10 @@ def _decode(c: CauseFacts, ctx: Context) -> Written:
         kept = ", ".join(t.replace("_", " ") for t in fit["confounded"])
         return (f"decode: {c.lead()} in the server's decode steps at the run's own load",
                 f"fit over {fit['requests']} requests of the server's time per token: "
-                f"{fit['base_ms']:,.2f} ms + {fit['per_other_running_ms']:,.3f} ms per other "
+                f"{fit['base_ms']:,.2f} ms"
+                + (" (measured: short probes sent alone after the run)"
+                   if fit.get("base_from") == "probes alone" else "")
+                + f" + {fit['per_other_running_ms']:,.3f} ms per other "
                 f"request running + {fit['per_other_prefill_token_ms']:,.4f} ms per other "
                 f"request's prefill token + {fit['per_context_token_ms']:,.5f} ms per context "
                 "token" + (f"; {kept} never varied in the run, so its cost is in this base"

@@ -227,9 +227,9 @@ async def run_bench(settings: BenchSettings,
         anchor = await measure_anchor(c, result)
         log, note = await step_log(c, result, since, settings.admin_key)
         state = await sampled_state(sampler, c, result)
-    return anchor.mark(results(settings, result, slo, started, step_log=log, text=text,
-                               notes=[*notes, *anchor.notes, *([note] if note else []),
-                                      *([why] if why else [])], server_state=state))
+    return results(settings, result, slo, started, step_log=log, text=text,
+                   notes=[*notes, *anchor.notes, *([note] if note else []),
+                          *([why] if why else [])], server_state=state, anchor=anchor.record)
 
 
 async def start_sampler(settings: BenchSettings, client: BenchClient
@@ -316,7 +316,10 @@ def logprobs_body(settings: BenchSettings) -> dict[str, Any]:
 def results(settings: BenchSettings, result: RunResult, slo: Slo | None,
             started: datetime, *, step_log: dict[str, Any] | None = None,
             text: dict[str, Any] | None = None, notes: Sequence[str] = (),
-            server_state: dict[str, Any] | None = None) -> dict[str, Any]:
+            server_state: dict[str, Any] | None = None,
+            anchor: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`anchor`: the probes sent alone after the run (`lifeline.bench.anchor`), which the
+    diagnosis reads."""
     sent = sorted(result.sent, key=lambda s: s.trace.sent)
     metrics = [request_metrics(s.trace) for s in sent]
     splits = [ttft_split(s.trace, m) if m.ok else None for s, m in zip(sent, metrics)]
@@ -341,7 +344,7 @@ def results(settings: BenchSettings, result: RunResult, slo: Slo | None,
     out = {"schema": SCHEMA, "started_at": started.isoformat(timespec="seconds"),
            "settings": settings.public(), "summary": summary, "requests": records,
            "text_cost": text, "step_log": step_log, "diagnosis_notes": list(notes),
-           "server_state": server_state}
+           "server_state": server_state, "anchor": anchor}
     if server_state is not None:
         server_state["summary"] = join(out, server_state)
         rejoined = _rejoined_splits(records)

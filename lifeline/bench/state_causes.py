@@ -33,9 +33,12 @@ def features(view: RequestView) -> tuple[float, float, float] | None:
     return others, prefill, context
 
 
-def refine(pairs: Sequence[tuple[RequestView, TpotSplit]]) -> dict[str, Any] | None:
+def refine(pairs: Sequence[tuple[RequestView, TpotSplit]],
+           anchor: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Re-split each request's `decode` part (ms per token) by the fit; returns the fit (its
-    coefficients, which terms were confounded) or None when there is too little to fit."""
+    coefficients, which terms were confounded) or None when there is too little to fit.
+    `anchor`: the bench's probes sent alone after the run (`lifeline.bench.anchor`): their TPOT
+    is the base, measured, and the fit prices only what the run adds to it."""
     rows = [(view, split, x) for view, split in pairs
             if (x := features(view)) is not None and split.parts.get("decode", 0) > 0]
     if len(rows) < MIN_REQUESTS:
@@ -44,14 +47,23 @@ def refine(pairs: Sequence[tuple[RequestView, TpotSplit]]) -> dict[str, Any] | N
     y = np.array([split.parts["decode"] for _, split, _ in rows])
     varied = [j for j in range(1, 4) if np.ptp(x[:, j]) > 1e-6 * max(abs(x[:, j]).max(), 1.0)]
     coef = np.zeros(4)
-    if varied:
+    base = (anchor or {}).get("tpot_ms")
+    if base is not None and 0 < base < float(y.mean()):
+        coef[0] = base
+        others = [j for j in range(1, 4) if j in varied or (j == 1 and np.all(x[:, 1] > 0))]
+        if others:
+            sol, _ = nnls_subsets(x[:, others], y - base)
+            coef[others] = sol
+        varied = others
+    elif varied:
         sol, _ = nnls_subsets(x[:, [0, *varied]], y)
         coef[[0, *varied]] = sol
     else:
         coef[0] = float(y.mean())
     fit = {"base_ms": float(coef[0]), "per_other_running_ms": float(coef[1]),
            "per_other_prefill_token_ms": float(coef[2]), "per_context_token_ms": float(coef[3]),
-           "requests": len(rows),
+           "requests": len(rows), "base_from": "probes alone" if base is not None and
+           coef[0] == base else "fit",
            "confounded": [TERMS[j - 1] for j in range(1, 4) if j not in varied]}
     for view, split, f in rows:
         own = {"decode": coef[0], "batch": coef[1] * f[0],
