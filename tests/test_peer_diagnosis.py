@@ -99,7 +99,7 @@ def test_a_captured_scenario_ranks_its_cause_first_again(name):
 def test_llama_cpp_against_vllm_on_the_same_load_names_the_slots():
     """`bench compare` of llama.cpp's 2 slots against vLLM's 8 sequences on 8 users."""
     llama = _replay(json.loads((FIXTURES / "slots.json").read_text())["results"])
-    vllm = _replay(json.loads((FIXTURES / "vllm_prefix.json").read_text())["vllm_slots"])
+    vllm = _replay(json.loads((FIXTURES / "vllm_seqs.json").read_text())["control"])
     att = attribute(dict(vllm, _label="vllm"), dict(llama, _label="llama.cpp"))
     finding = att["ttft"]["finding"]
     assert att["ttft"]["rows"][0]["cause"] == "queue"

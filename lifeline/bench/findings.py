@@ -83,6 +83,16 @@ def _client_network(c: CauseFacts, ctx: Context) -> Written:
 
 
 def _front(c: CauseFacts, ctx: Context) -> Written:
+    sampled = [f for f in c.facts if f.get("front_from") == "histogram"]
+    if sampled and len(sampled) * 2 >= len(c.facts):
+        engine = sampled[0].get("engine") or "the server"
+        return (f"front: {c.lead()} in {engine} before its engine queued the request",
+                f"{engine}'s own histograms over the run: its TTFT (from its arrival) less its "
+                "queue and prefill time; the HTTP handling, the chat template and tokenizer, "
+                "and the hand-off from its API server to its engine.",
+                "an API server starved of CPU by the engine shows here (vLLM on few cores: "
+                "--api-server-count, or cores for the frontend); long prompts and templates "
+                "cost here too", {"from": "histogram", "engine": engine})
     parts = {k: c.mean(k) for k in ("gateway", "template", "tokenize")}
     known = {k: v for k, v in parts.items() if v is not None}
     evidence = ", ".join(f"{k} {v:,.1f} ms" for k, v in known.items()) or \
@@ -96,19 +106,19 @@ def _front(c: CauseFacts, ctx: Context) -> Written:
 QUEUE_KNOBS: dict[str, dict[str, tuple[str, str]]] = {
     # engine -> limit -> (why, the engine's own knob as the fix)
     "llama.cpp": {
-        "slots": ("{running} of llama.cpp's {cap} slots were busy and requests were deferred",
+        "slots": ("all {cap} of llama.cpp's slots were busy and requests were deferred",
                   "more parallel slots (-np; each slot gets -c / -np of the context, so raise -c "
                   "with it), lower the concurrency, or add replicas"),
         "kv_cache": ("the slots' KV cache was full",
                      "a larger context (-c), or fewer parallel slots sharing it (-np)"),
     },
     "vllm": {
-        "max_num_seqs": ("{running} sequences were running (vLLM's --max-num-seqs or its KV "
-                         "capacity) while requests waited",
+        "max_num_seqs": ("{cap} sequences were running (vLLM's --max-num-seqs) while requests "
+                         "waited",
                          "raise --max-num-seqs if the KV cache allows it "
                          "(--gpu-memory-utilization; VLLM_CPU_KVCACHE_SPACE on the CPU), lower "
                          "the concurrency, or add replicas"),
-        "kv_cache": ("vLLM's KV cache was full ({kv:.0%} in use)",
+        "kv_cache": ("vLLM's KV cache had no room for another prompt ({kv:.0%} in use)",
                      "more KV memory (--gpu-memory-utilization; VLLM_CPU_KVCACHE_SPACE on the "
                      "CPU), a shorter --max-model-len, prefix caching, or add replicas"),
         "token_budget": ("fewer than {cap} sequences ran while requests waited: each step's "
@@ -116,7 +126,7 @@ QUEUE_KNOBS: dict[str, dict[str, tuple[str, str]]] = {
                          "raise --max-num-batched-tokens, or lower the load"),
     },
     "sglang": {
-        "max_running_requests": ("{running} requests were running (--max-running-requests) "
+        "max_running_requests": ("{cap} requests were running (--max-running-requests) "
                                  "while requests waited",
                                  "raise --max-running-requests if the KV pool allows, or add "
                                  "replicas"),

@@ -116,6 +116,8 @@ def run_summary(state: dict[str, Any]) -> dict[str, Any]:
         out["prefix_queries"] = out["cached_tokens"] + out.get("prompt_tokens", 0)
     if out.get("prefix_queries"):
         out["prefix_hit_rate"] = out.get("prefix_hits", 0) / out["prefix_queries"]
+    elif "prefix_queries" in out and out.get("prompt_tokens"):
+        out["prefix_hit_rate"] = 0.0  # caching off: nothing looked up, nothing served
     elif state.get("engine") == "sglang" and last.get("cache_hit_rate") is not None:
         out["prefix_hit_rate"] = last["cache_hit_rate"]
     if out.get("prompt_seconds") and out.get("prompt_tokens"):
@@ -173,16 +175,27 @@ def join(results: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
         prefill = min(prefill or 0.0, ttft * 1e3)
         gap = ttft - prefill / 1e3
         windows.append((r, sent, gap, prefill, prefill_from))
+    front_mean = None
+    if None not in (summary.get("ttft_ms_mean"), summary.get("queue_ms_mean"),
+                    summary.get("prefill_ms_mean")):
+        front_mean = max(summary["ttft_ms_mean"] - summary["queue_ms_mean"]
+                         - summary["prefill_ms_mean"], 0.0)
     floor = _floor([(gap, timeline.seconds(sent, sent + gap, waiting))
                     for _, sent, gap, _, _ in windows])
     prefill_windows = [(sent + gap, sent + gap + prefill / 1e3, _prompt(r) or 0)
                        for r, sent, gap, prefill, _ in windows]
+    queues = _queues(windows, timeline, floor, summary)
+    kv_total = kv_tokens(state)
     for i, (r, sent, gap, prefill, prefill_from) in enumerate(windows):
         waited = timeline.seconds(sent, sent + gap, waiting)
-        queue_ms = min(waited, max(gap - floor, 0.0)) * 1e3
+        queue_ms = queues[i]
+        front_ms = None
+        if front_mean is not None and reported_front(r) is None:
+            # the server's own histograms: arrival to first token, less queue and prefill
+            front_ms = min(front_mean, max(gap * 1e3 - queue_ms, 0.0))
         arrival = timeline.at(sent)
-        limits = Counter(_limit(engine, s, cap) for _, s in timeline.pieces(sent, sent + gap)
-                         if waiting(s))
+        limits = Counter(_limit(engine, s, cap, kv_total, mean_prompt)
+                         for _, s in timeline.pieces(sent, sent + gap) if waiting(s))
         first = sent + (r.get("ttft_ms") or 0.0) / 1e3
         end = sent + (r.get("e2e_ms") or 0.0) / 1e3
         others_prefill = sum(_overlap(first, end, a, b) / (b - a) * n
@@ -194,6 +207,7 @@ def join(results: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
             "kv_usage_at_arrival": arrival.get("kv_usage"),
             "wait_ms": gap * 1e3, "waiting_seen_ms": waited * 1e3, "floor_ms": floor * 1e3,
             "queue_ms": queue_ms, "prefill_ms": prefill, "prefill_from": prefill_from,
+            "front_ms": front_ms, "front_from": "histogram" if front_ms is not None else None,
             "limit": limits.most_common(1)[0][0] if limits else None,
             "limits": dict(limits), "capacity": cap,
             "batch_mean": timeline.mean(first, end, "running"),
@@ -219,7 +233,10 @@ def _stages(r: dict[str, Any], engine: str, view: dict[str, Any],
     if reported.get("queue_ms") is not None:
         return None
     source = reported.get("source") or engine
-    out = {"source": source, "front_ms": reported.get("front_ms"),
+    front = reported.get("front_ms")
+    if front is None and view.get("front_ms") is not None:
+        front = view["front_ms"]
+    out = {"source": source, "front_ms": front,
            "queue_ms": view["queue_ms"], "prefill_ms": view["prefill_ms"],
            "decode_ms": reported.get("decode_ms"), "server_ttft_ms": None,
            "server_e2e_ms": reported.get("server_e2e_ms"),
@@ -231,9 +248,58 @@ def _stages(r: dict[str, Any], engine: str, view: dict[str, Any],
     return out
 
 
-def _limit(engine: str, sample: dict[str, Any], cap: int | None) -> str:
+def _queues(windows: Sequence[tuple[dict[str, Any], float, float, float, str | None]],
+            timeline: Timeline, floor: float, summary: dict[str, Any]) -> list[float]:
+    """Each request's queue (ms): the part of its wait the samples showed requests waiting.
+    Where the server also keeps a queue-time histogram (vLLM, SGLang), the run's mean is the
+    server's own and the samples only share it out: a server whose gauges move once a step
+    (vLLM's, while one step runs a second on a CPU) shows less waiting than there was. Each
+    request's queue stays within its wait."""
+    seen = [min(timeline.seconds(sent, sent + gap, waiting), max(gap - floor, 0.0)) * 1e3
+            for _, sent, gap, _, _ in windows]
+    room = [max(gap, 0.0) * 1e3 for _, _, gap, _, _ in windows]
+    target = summary.get("queue_ms_mean")
+    own = [(r.get("server_timings") or {}).get("queue_ms") for r, *_ in windows]
+    if target is None or any(q is not None for q in own) or not windows:
+        return seen
+    weights = seen if sum(seen) > 0 else room
+    total = target * len(windows)
+    out = [0.0] * len(windows)
+    for _ in range(4):  # share out, capping at each request's wait, the rest to the others
+        left = total - sum(out)
+        free = [i for i in range(len(out)) if out[i] < room[i] - 1e-9 and weights[i] > 0]
+        if left <= 1e-6 or not free:
+            break
+        weight = sum(weights[i] for i in free)
+        for i in free:
+            out[i] = min(room[i], out[i] + left * weights[i] / weight)
+    return out
+
+
+def reported_front(r: dict[str, Any]) -> float | None:
+    return (r.get("server_timings") or {}).get("front_ms")
+
+
+def kv_tokens(state: dict[str, Any]) -> int | None:
+    """The KV cache's size in tokens, where the engine says (vLLM's cache config, SGLang's
+    max_total_num_tokens)."""
+    config = state.get("config") or {}
+    cache = config.get("cache_config") or {}
+    try:
+        if cache.get("num_gpu_blocks") and cache.get("block_size"):
+            return int(float(cache["num_gpu_blocks"])) * int(float(cache["block_size"]))
+    except ValueError:
+        return None
+    return int(config["max_tokens"]) if config.get("max_tokens") else None
+
+
+def _limit(engine: str, sample: dict[str, Any], cap: int | None,
+           kv_total: int | None = None, need: float | None = None) -> str:
+    """Which limit held a waiting request in this sample: the KV cache when it was full, or
+    when what it had free could not hold a prompt of the run's (`need` tokens)."""
     names = LIMIT_NAMES.get(engine, LIMIT_NAMES["vllm"])
-    if (sample.get("kv_usage") or 0) >= KV_FULL:
+    usage = sample.get("kv_usage") or 0
+    if usage >= KV_FULL or (kv_total and need and (1 - usage) * kv_total < need):
         return names["kv"]
     running = sample.get("running")
     if engine == "llama.cpp" or cap is None or running is None or running >= cap:

@@ -131,7 +131,9 @@ def _computed_parts(view: RequestView) -> dict[str, int]:
 
 def _front_facts(view: RequestView) -> dict[str, Any]:
     raw = view.backend_raw()
-    return {k: raw.get(f"{k}_ms") for k in ("gateway", "template", "tokenize")}
+    return {**{k: raw.get(f"{k}_ms") for k in ("gateway", "template", "tokenize")},
+            "front_from": (view.state or {}).get("front_from"),
+            "engine": (view.state or {}).get("engine")}
 
 
 def _queue_facts(view: RequestView) -> dict[str, Any]:
