@@ -142,24 +142,15 @@ def _queue_facts(view: RequestView) -> dict[str, Any]:
     raw = view.backend_raw()
     queue = raw.get("queue") if isinstance(raw.get("queue"), dict) else {}
     state = view.state or {}
+    # a gateway's upstream that reports no queue: the gateway sampled its metrics
     upstream = raw.get("state") if isinstance(raw.get("state"), dict) else {}
-    if not queue and upstream:
-        # a gateway's upstream that reports no queue: the gateway sampled its metrics
-        queue = {"limit": upstream.get("limit") if upstream.get("queue_ms") else None,
-                 "running_at_arrival": upstream.get("running_at_sent"),
-                 "waiting_at_arrival": upstream.get("waiting_at_sent"),
-                 "max_num_seqs": upstream.get("capacity"), "engine": upstream.get("engine"),
-                 "waiting_seen_ms": upstream.get("queue_ms"),
-                 "kv_usage_at_arrival": upstream.get("kv_usage_at_sent"),
-                 "from": "server_state"}
-    if not queue and state:
-        queue = {"limit": state.get("limit") if state.get("queue_ms") else None,
-                 "running_at_arrival": state.get("running_at_arrival"),
-                 "waiting_at_arrival": state.get("waiting_at_arrival"),
-                 "max_num_seqs": state.get("capacity"), "engine": state.get("engine"),
-                 "waiting_seen_ms": state.get("waiting_seen_ms"),
-                 "kv_usage_at_arrival": state.get("kv_usage_at_arrival"),
-                 "from": "server_state"}
+    sampled = upstream or state
+    if not queue and sampled:
+        queue = {"limit": sampled.get("limit") if sampled.get("queue_ms") else None,
+                 "max_num_seqs": sampled.get("capacity"), "from": "server_state",
+                 **{k: sampled.get(k) for k in ("running_at_arrival", "waiting_at_arrival",
+                                                "engine", "waiting_seen_ms",
+                                                "kv_usage_at_arrival")}}
     return {"queue_info": queue, "preemptions": raw.get("preemptions"),
             "server_preemptions": state.get("preemptions_during"),
             "recomputed_tokens": raw.get("recomputed_tokens"),

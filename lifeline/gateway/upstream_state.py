@@ -88,8 +88,9 @@ class UpstreamState:
         held = [_limit(self.sampler.engine, s, cap)
                 for _, s in timeline.pieces(sent, sent + gap) if waiting(s)]
         return {"engine": self.sampler.engine, "queue_ms": waited * 1e3,
-                "wait_ms": gap * 1e3, "running_at_sent": at.get("running"),
-                "waiting_at_sent": at.get("waiting"), "kv_usage_at_sent": at.get("kv_usage"),
+                "waiting_seen_ms": waited * 1e3, "wait_ms": gap * 1e3,
+                "running_at_arrival": at.get("running"), "waiting_at_arrival": at.get("waiting"),
+                "kv_usage_at_arrival": at.get("kv_usage"),
                 "capacity": cap, "limit": max(set(held), key=held.count) if held else None,
                 "interval_s": self.interval_s,
                 "samples": sum(1 for s in samples if sent - self.interval_s <= s["t"]
