@@ -441,6 +441,16 @@ def _kv_context(c: CauseFacts, ctx: Context) -> Written:
 
 def _out_queue(c: CauseFacts, ctx: Context) -> Written:
     preempt = sum(f.get("preemptions") or 0 for f in c.facts)
+    server = max((f.get("server_preemptions") or 0 for f in c.facts), default=0)
+    if not preempt and server:
+        stalled = [f for f in c.facts if f.get("preempted_ms")]
+        return (f"preempted mid-answer: {c.lead()} waiting and recomputing",
+                f"the server counted {server:,.0f} preemptions during the run's requests; "
+                f"{len(stalled)} of {len(c.facts)} streams stood still for more than "
+                f"{5:g}× their usual token gap meanwhile.",
+                "the KV cache ran out under load: more KV memory (vLLM: "
+                "--gpu-memory-utilization, VLLM_CPU_KVCACHE_SPACE), a lower max_num_seqs, or "
+                "shorter outputs", {"preemptions": server})
     return (f"preempted mid-answer: {c.lead()} waiting and recomputing",
             f"{preempt} preemptions.",
             "the KV cache ran out under load: more KV memory, a lower max_num_seqs, or shorter "

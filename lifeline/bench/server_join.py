@@ -217,6 +217,7 @@ def join(results: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
             "preemptions_during": timeline.delta(sent, end, "preemptions"),
             "engine": engine, "interval_s": state.get("interval_s"),
         }
+        view["preempted_ms"] = _stalls(r) if view["preemptions_during"] else 0.0
         prompt, n = _prompt(r) or 0, int(r.get("output_tokens") or 0)
         view.update({"context_first": prompt, "context_last": prompt + n,
                      "context_mean": prompt + n / 2})
@@ -274,6 +275,21 @@ def _queues(windows: Sequence[tuple[dict[str, Any], float, float, float, str | N
         for i in free:
             out[i] = min(room[i], out[i] + left * weights[i] / weight)
     return out
+
+
+STALL = 5.0
+"""A token gap this many times the request's median is a stall (with preemptions, the time
+the request was preempted and recomputed)."""
+
+
+def _stalls(r: dict[str, Any]) -> float:
+    """The time a request's stream stood still beyond its usual pace (ms): the gaps over
+    `STALL` times its median, less the median. Counted only while the server preempted."""
+    gaps = sorted(r.get("itl_ms") or ())
+    if len(gaps) < 4:
+        return 0.0
+    median = gaps[len(gaps) // 2]
+    return sum(g - median for g in gaps if g > STALL * median)
 
 
 def reported_front(r: dict[str, Any]) -> float | None:

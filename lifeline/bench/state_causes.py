@@ -43,6 +43,13 @@ def refine(pairs: Sequence[tuple[RequestView, TpotSplit]],
             if (x := features(view)) is not None and split.parts.get("decode", 0) > 0]
     if len(rows) < MIN_REQUESTS:
         return None
+    for view, split, _ in rows:
+        # a stream that stood still while the server preempted: waiting and recomputing
+        stalled = (view.state.get("preempted_ms") or 0.0) / max(view.output_tokens - 1, 1)
+        stalled = min(stalled, split.parts["decode"])
+        split.parts["decode"] -= stalled
+        split.parts["queue"] = split.parts.get("queue", 0.0) + stalled
+        split.facts["preempted_ms"] = view.state.get("preempted_ms")
     x = np.array([[1.0, *f] for _, _, f in rows])
     y = np.array([split.parts["decode"] for _, split, _ in rows])
     varied = [j for j in range(1, 4) if np.ptp(x[:, j]) > 1e-6 * max(abs(x[:, j]).max(), 1.0)]
