@@ -147,6 +147,15 @@ def _greedy(llm: LLM, prompt: dict, max_tokens: int = 16) -> tuple[list[int], li
     return out.token_ids, [lp.top for lp in out.logprobs]
 
 
+def _agrees_up_to_ties(llm: LLM, reference: dict) -> None:
+    """Greedy on every reference prompt, held to the CPU's float32 text up to ties."""
+    for name, (ref, top) in reference.items():
+        prompt = next(p for p in _smollm2_prompts() if p["name"] == name)
+        ours, _ = _greedy(llm, prompt)
+        agreement = compare(ours, ref, top)
+        assert agreement.ok, (name, agreement)
+
+
 def test_bf16_greedy_matches_float32_up_to_ties_on_the_cpu(smollm2_reference):
     """Decode steps too: the bf16 pool read back through the decode path, with SmolLM2's real
     weights (random ones leave every logit a near tie)."""
@@ -155,11 +164,7 @@ def test_bf16_greedy_matches_float32_up_to_ties_on_the_cpu(smollm2_reference):
                           kv_cache_memory_bytes=64 << 20)
     llm = LLM(loaded, kv_cache_memory_bytes=1 << 20)
     llm.engine = _bf16_engine(loaded, config)
-    for name, (ref, top) in smollm2_reference.items():
-        prompt = next(p for p in _smollm2_prompts() if p["name"] == name)
-        ours, _ = _greedy(llm, prompt)
-        agreement = compare(ours, ref, top)
-        assert agreement.ok, (name, agreement)
+    _agrees_up_to_ties(llm, smollm2_reference)
 
 
 @CUDA
@@ -168,11 +173,7 @@ def test_cuda_greedy_matches_the_cpu_up_to_ties(smollm2_reference):
     runner = llm.engine.executor.runner
     assert runner.kv_caches[0][0].device.type == "cuda"
     assert runner.kv_caches[0][0].dtype == torch.bfloat16
-    for name, (ref, top) in smollm2_reference.items():
-        prompt = next(p for p in _smollm2_prompts() if p["name"] == name)
-        ours, _ = _greedy(llm, prompt)
-        agreement = compare(ours, ref, top)
-        assert agreement.ok, (name, agreement)
+    _agrees_up_to_ties(llm, smollm2_reference)
 
 
 @CUDA

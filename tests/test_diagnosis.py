@@ -82,7 +82,11 @@ def contexts(tmp_path_factory):
     reads, not the step's fixed cost, are most of a decode step at 5,000 tokens; warmed with
     a short and a long request of their own tokens (a fresh server's first steps at a new
     context length run several times slower)."""
-    path = tmp_path_factory.mktemp("contexts")
+    yield from warmed_contexts_server(tmp_path_factory.mktemp("contexts"))
+
+
+def warmed_contexts_server(path):
+    """Eight KV heads of 32, warmed with a short and a long request of its own tokens."""
     with _serve(_random_model(word_tokenizer(path), path, hidden=256, kv_heads=8), path) as srv:
         for n in (SHORT, 3000):
             httpx.post(srv.base_url + "/v1/completions", timeout=600, json={

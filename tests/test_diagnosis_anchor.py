@@ -9,14 +9,12 @@ random-weight model with eight KV heads (its decode step grows with the context)
 import asyncio
 import time
 
-import httpx
 import pytest
 
 from lifeline.bench.anchor import PROBE_TOKENS, PROBES
 from lifeline.bench.run import BenchSettings, run_bench
 from lifeline.bench.step_index import WINDOW_MARGIN_S
-from tests.test_diagnosis import TIMING_TOLERANCE, _random_model, _serve
-from tests.word_models import word_tokenizer
+from tests.test_diagnosis import TIMING_TOLERANCE, warmed_contexts_server
 
 pytestmark = pytest.mark.alone
 """The finding is held to a difference of wall-clock means measured minutes apart at most."""
@@ -28,13 +26,7 @@ SHORT = 16
 def contexts(tmp_path_factory):
     """Warmed with a short and a long request (a fresh server's first steps at a new context
     length run several times slower)."""
-    path = tmp_path_factory.mktemp("anchor")
-    with _serve(_random_model(word_tokenizer(path), path, hidden=256, kv_heads=8), path) as srv:
-        for n in (SHORT, 3000):
-            httpx.post(srv.base_url + "/v1/completions", timeout=600, json={
-                "model": "tiny", "prompt": [(13 * j) % 90 + 2 for j in range(n)],
-                "max_tokens": 8, "ignore_eos": True}).raise_for_status()
-        yield srv
+    yield from warmed_contexts_server(tmp_path_factory.mktemp("anchor"))
 
 
 def _bench(srv, prompt: int, requests: int) -> dict:
