@@ -2,11 +2,27 @@
 modules that only read it (float32 weights, no compile) share it instead of each holding a copy
 of its own. A module that starts a server defines `server` (its own configuration); `http` and
 `client` then talk to that server."""
+import ctypes
+import ctypes.util
+import gc
+
 import httpx
 import openai
 import pytest
 
 from lifeline.model.loader import load_model
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_the_module():
+    """After each module, what its fixtures held (servers, engines, models caught in reference
+    cycles) is collected and glibc's free heap handed back, so the next module in the same
+    process starts from what the session really holds."""
+    yield
+    gc.collect()
+    libc = ctypes.util.find_library("c")
+    if libc:
+        ctypes.CDLL(libc).malloc_trim(0)
 
 
 @pytest.fixture(scope="session")
