@@ -7,16 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from pathlib import Path
 from typing import Any, Protocol
 
+import httpcore
 import httpx
 
 from lifeline.gateway.asgi_bridge import AppExchange, BridgeError
 from lifeline.gateway.config import BackendSpec, GatewayConfig
-from lifeline.gateway.health import CircuitBreaker
+from lifeline.gateway.health import HALF_OPEN, CircuitBreaker
 from lifeline.gateway.upstream_state import UpstreamState
 
 log = logging.getLogger("lifeline.gateway")
@@ -47,6 +49,24 @@ class Exchange(Protocol):
     async def aclose(self) -> None: ...
 
 
+class Lease:
+    """One attempt's slot on a backend, taken by `Backend.lease`: released once, whatever
+    happens to the attempt (a second release is a no-op, so no path can release twice)."""
+    __slots__ = ("backend", "probe", "released")
+
+    def __init__(self, backend: Backend, probe: bool):
+        self.backend, self.probe, self.released = backend, probe, False
+
+    def release(self, ok: bool | None) -> bool:
+        """True, the backend served; False, it failed; None, no verdict. False when this lease
+        was already released (nothing happens)."""
+        if self.released:
+            return False
+        self.released = True
+        self.backend._settle(ok, self.probe)
+        return True
+
+
 class Backend:
     """What the router knows of one backend: its breaker, its health, its load."""
 
@@ -54,7 +74,10 @@ class Backend:
         self.spec = spec
         self.breaker = CircuitBreaker(config.breaker_failures, config.breaker_cooldown_s)
         self.outstanding = 0
-        """Requests sent to it that have not ended (the balancing policies read this)."""
+        """Requests sent to it that have not ended (the balancing policies read this). Never
+        below zero: a release with none outstanding is refused and counted."""
+        self.unmatched_releases = 0
+        """Releases refused because nothing was outstanding (a bug if ever above 0)."""
         self._healthy = True
         self.checked = False
         """A health check has answered at least once."""
@@ -102,20 +125,35 @@ class Backend:
 
     def acquire(self) -> bool:
         """Take a slot for one attempt; False when it can take none now."""
-        if self.unavailable() is not None or not self.breaker.acquire():
-            return False
+        return self.lease() is not None
+
+    def lease(self) -> Lease | None:
+        """Take a slot for one attempt, released through the lease; None when it can take none
+        now."""
+        if self.unavailable() is not None:
+            return None
+        probe = self.breaker.state == HALF_OPEN
+        if not self.breaker.acquire():
+            return None
         self.outstanding += 1
-        return True
+        return Lease(self, probe)
 
     def release(self, ok: bool | None) -> None:
         """The attempt ended: True, the backend served; False, it failed; None, no verdict
-        (the client left first)."""
+        (the client left first, or the answer was the client's own 4xx)."""
+        self._settle(ok, None)
+
+    def _settle(self, ok: bool | None, probe: bool | None) -> None:
+        if self.outstanding <= 0:
+            self.unmatched_releases += 1
+            log.error("backend %s: a release with no request outstanding, ignored", self.name)
+            return
         self.outstanding -= 1
         if ok is True:
             self.breaker.success()
         elif ok is False:
             self.breaker.failure()
-        else:
+        elif probe is not False:  # a probe that ended without a verdict lets another go
             self.breaker.abandon()
 
     def health_seen(self, error: str | None, unhealthy_after: int) -> None:
@@ -137,7 +175,8 @@ class Backend:
                 "consecutive_failures": self.breaker.consecutive,
                 "circuit_opened": self.breaker.opened,
                 "retry_in_s": round(self.breaker.retry_in(), 3),
-                "outstanding": self.outstanding, "max_concurrency": self.spec.max_concurrency}
+                "outstanding": self.outstanding, "max_concurrency": self.spec.max_concurrency,
+                "unmatched_releases": self.unmatched_releases}
 
     async def start(self, stack: contextlib.AsyncExitStack) -> None:
         """Begin serving (a local engine starts loading); `stack` undoes it at shutdown."""
@@ -154,15 +193,94 @@ class Backend:
         raise NotImplementedError
 
 
+_SENDING: contextvars.ContextVar[dict[str, bool] | None] = contextvars.ContextVar(
+    "lifeline_gateway_sending", default=None)
+"""The request the current task is sending: whether a byte of it was written yet, and whether
+its kept-alive connection turned out closed before one was (`_GuardedStream`)."""
+RESEND_REASON = "the upstream had closed the kept-alive connection before the request was sent"
+
+
+class _GuardedBackend(httpcore.AsyncNetworkBackend):
+    """httpcore's network backend, its streams wrapped in `_GuardedStream`."""
+
+    def __init__(self, inner: httpcore.AsyncNetworkBackend):
+        self.inner = inner
+
+    async def connect_tcp(self, *args: Any, **kwargs: Any) -> httpcore.AsyncNetworkStream:
+        return _GuardedStream(await self.inner.connect_tcp(*args, **kwargs))
+
+    async def connect_unix_socket(self, *args: Any, **kwargs: Any
+                                  ) -> httpcore.AsyncNetworkStream:
+        return _GuardedStream(await self.inner.connect_unix_socket(*args, **kwargs))
+
+    async def sleep(self, seconds: float) -> None:
+        await self.inner.sleep(seconds)
+
+
+class _GuardedStream(httpcore.AsyncNetworkStream):
+    """A connection that refuses to write a request onto a kept-alive connection the upstream
+    has already closed (its socket reads as end-of-file, or holds bytes no request asked for):
+    then not one byte of the request left the gateway, which is what makes a resend safe.
+    httpcore's pool checks the same before it hands out an idle connection; this check is made
+    again at the write itself, so a close that lands between the two is caught too."""
+
+    def __init__(self, inner: httpcore.AsyncNetworkStream):
+        self.inner = inner
+        self.used = False
+        """A request was written here before (a fresh connection is never refused: a TLS
+        session ticket may still be unread on it)."""
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return await self.inner.read(max_bytes, timeout)
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        sending = _SENDING.get()
+        if sending is not None and not sending["wrote"] and buffer:
+            if self.used and self.inner.get_extra_info("is_readable"):
+                sending["unsent"] = True
+                raise httpcore.WriteError(RESEND_REASON)
+            sending["wrote"] = True
+        self.used = True
+        await self.inner.write(buffer, timeout)
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+    async def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
+                        timeout: float | None = None) -> httpcore.AsyncNetworkStream:
+        return _GuardedStream(await self.inner.start_tls(ssl_context, server_hostname, timeout))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self.inner.get_extra_info(info)
+
+
+def _guarded(client: httpx.AsyncClient) -> httpx.AsyncClient:
+    """`client` writing through `_GuardedStream` (left as it is if httpx's internals moved:
+    then no request is ever resent)."""
+    pool = getattr(getattr(client, "_transport", None), "_pool", None)
+    inner = getattr(pool, "_network_backend", None)
+    if inner is not None:
+        pool._network_backend = _GuardedBackend(inner)
+    else:
+        log.warning("httpx's connection pool is not the one known: no request will be resent")
+    return client
+
+
 class UpstreamBackend(Backend):
     def __init__(self, spec: BackendSpec, config: GatewayConfig):
         super().__init__(spec, config)
         limit = spec.max_concurrency or 1000
-        self.http = httpx.AsyncClient(
-            timeout=httpx.Timeout(spec.read_timeout_s, connect=spec.connect_timeout_s,
-                                  pool=spec.connect_timeout_s),
+        timeout = httpx.Timeout(spec.read_timeout_s, connect=spec.connect_timeout_s,
+                                pool=spec.connect_timeout_s)
+        self.http = _guarded(httpx.AsyncClient(
+            timeout=timeout,
             limits=httpx.Limits(max_connections=limit, max_keepalive_connections=limit),
+            trust_env=False))
+        self.fresh_http = httpx.AsyncClient(
+            timeout=timeout, limits=httpx.Limits(max_connections=limit,
+                                                 max_keepalive_connections=0),
             trust_env=False)
+        """Resends go here: every connection it makes is new."""
         self.health_http = httpx.AsyncClient(
             timeout=httpx.Timeout(spec.read_timeout_s, connect=spec.connect_timeout_s),
             limits=httpx.Limits(max_connections=1), trust_env=False)
@@ -177,6 +295,7 @@ class UpstreamBackend(Backend):
 
     async def start(self, stack: contextlib.AsyncExitStack) -> None:
         stack.push_async_callback(self.http.aclose)
+        stack.push_async_callback(self.fresh_http.aclose)
         stack.push_async_callback(self.health_http.aclose)
         if self.upstream_state is not None:
             self.upstream_state.start()
@@ -184,7 +303,8 @@ class UpstreamBackend(Backend):
 
     async def open(self, path: str, body: bytes, headers: dict[str, str],
                    marks: dict[str, float], prefix: str | None = None) -> Exchange:
-        headers = {**headers, "content-type": "application/json"}
+        # identity: a compressed answer could grow past any cap inside one decompressed chunk
+        headers = {**headers, "content-type": "application/json", "accept-encoding": "identity"}
         if self.spec.api_key:
             headers["authorization"] = f"Bearer {self.spec.api_key}"
 
@@ -198,21 +318,54 @@ class UpstreamBackend(Backend):
         # where vLLM, SGLang, llama-server and Lifeline all serve them
         url = self.base + path.removeprefix("/v1") if path.startswith("/v1/") else \
             self.spec.root_url + path
-        for fresh in (False, True):
-            request = self.http.build_request("POST", url, content=body, headers=headers,
-                                              extensions={"trace": trace})
+        # A request is sent again, once, on a new connection, only when not one byte of it
+        # was written: the kept-alive connection it was given had been closed by the upstream
+        # (llama-server drops them without a word). Any other failure is the attempt's: the
+        # upstream may have read the request, so it goes to the next backend, never here again.
+        resent: list[dict[str, Any]] = []
+        client = self.http
+        while True:
+            sending = {"wrote": False, "unsent": False}
+            token = _SENDING.set(sending)
+            began = time.perf_counter()
+            response: httpx.Response | None = None
             try:
-                response = await self.http.send(request, stream=True)
-                break
-            except httpx.RemoteProtocolError as exc:
-                if fresh or "connecting" in marks:
-                    raise transport_error(exc) from None
-                # A kept-alive connection the server had dropped without a word (llama-server
-                # does): once more, on a new connection. It sent no byte, so no answer is lost.
+                request = client.build_request("POST", url, content=body, headers=headers,
+                                               extensions={"trace": trace})
+                response = await client.send(request, stream=True)
             except httpx.HTTPError as exc:
-                raise transport_error(exc) from None
+                if not sending["unsent"] or resent:
+                    err = transport_error(exc)
+                    err.detail = {"resent": resent} if resent else {}
+                    raise err from None
+            finally:
+                _SENDING.reset(token)
+            if not sending["unsent"]:
+                break
+            if response is not None:  # bytes the upstream sent unasked: not this request's
+                await response.aclose()
+            if resent:
+                err = BackendError("disconnected", "the upstream closed a new connection "
+                                   "before the request was sent")
+                err.detail = {"resent": resent}
+                raise err
+            resent.append({"reason": RESEND_REASON,
+                           "ms": (time.perf_counter() - began) * 1e3})
+            marks.pop("connecting", None)
+            marks.pop("connected", None)
+            client = self.fresh_http
         marks["headers"] = time.perf_counter()
-        return _HttpxExchange(response)
+        encoding = response.headers.get("content-encoding", "identity").lower()
+        if encoding != "identity":
+            await response.aclose()
+            err = BackendError("bad_response", f"the answer is compressed ({encoding}) though "
+                               "the gateway asked for none")
+            err.detail = {"resent": resent} if resent else {}
+            raise err
+        exchange = _HttpxExchange(response)
+        if resent:
+            exchange.detail = {"resent": resent}
+        return exchange
 
     async def probe_health(self) -> str | None:
         try:
@@ -229,10 +382,12 @@ class _HttpxExchange:
         self.response = response
         self.status = response.status_code
         self.headers = {k.lower(): v for k, v in response.headers.items()}
+        self.detail: dict[str, Any] = {}
+        """Added to the attempt's entry in the decision record (the resends it took)."""
 
     async def aiter_bytes(self) -> Any:
         try:
-            async for chunk in self.response.aiter_bytes():
+            async for chunk in self.response.aiter_raw():  # as received: nothing to inflate
                 yield chunk
         except httpx.HTTPError as exc:
             raise transport_error(exc) from None
@@ -402,6 +557,22 @@ def failure_kind(status: int) -> str | None:
     if status in (401, 403):
         return "upstream_auth"  # the gateway's key for the upstream, not the client's
     return None
+
+
+async def read_capped(exchange: Exchange, cap: int) -> bytes:
+    """The whole body, or a `bad_response` once it passes `cap` bytes (read no further)."""
+    length = exchange.headers.get("content-length", "")
+    if length.isdigit() and int(length) > cap:
+        raise BackendError("bad_response", f"an answer of {int(length)} bytes, over the "
+                           f"{cap} allowed")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in exchange.aiter_bytes():
+        size += len(chunk)
+        if size > cap:
+            raise BackendError("bad_response", f"an answer of more than {cap} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def close_soon(exchange: Exchange) -> None:

@@ -25,6 +25,10 @@ class GatewayMetrics:
         self.backend_errors = Counter("lifeline:gateway_backend_errors", "Failed attempts, by "
                                       "backend and kind of failure.", ["backend", "kind"],
                                       registry=r)
+        self.resends = Counter("lifeline:gateway_backend_resends", "Requests sent to a backend "
+                               "again on a new connection because the kept-alive one it was "
+                               "given was closed before a byte of them was written.",
+                               ["backend"], registry=r)
         self.fallbacks = Counter("lifeline:gateway_fallbacks", "Requests moved on to another "
                                  "backend, by route and the backend that failed.",
                                  ["model_name", "backend"], registry=r)

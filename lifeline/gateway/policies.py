@@ -20,12 +20,16 @@ import random
 from dataclasses import dataclass, field
 from typing import Any
 
+from lifeline.server.tenants import reported_hash
+
 RING_POINTS = 64
 """Points per replica on the affinity ring (more: an evener share of the keys)."""
 
 
 def digest(text: str) -> int:
-    """A stable 64-bit hash (Python's `hash` is salted per process)."""
+    """A stable 64-bit hash (Python's `hash` is salted per process), for placement only: every
+    gateway in front of the same replicas puts a key at the same place. Records show
+    `lifeline.server.tenants.reported_hash` instead, keyed per process."""
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"),
                                           digest_size=8).digest(), "big")
 
@@ -140,7 +144,7 @@ class PrefixAffinity:
         scored = [Scored(b.name, rank, b.outstanding,
                          "within the load bound" if b in fits else "over the load bound")
                   for rank, b in enumerate(ring)]
-        extra = {"prefix_hash": f"{digest(key):016x}", "load_bound": bound}
+        extra = {"prefix_hash": reported_hash(key), "load_bound": bound}
         if not fits:
             order = sorted(ring, key=lambda b: b.outstanding)
             return Pick(order, scored, f"every replica is over the load bound ({bound}): "
@@ -187,8 +191,8 @@ class WeightedSplit:
             for pool in available:
                 edge += self.weights[pool] / total
                 if point < edge:
-                    return pool, f"session hash at {point:.4f} of the weights"
-            return available[-1], f"session hash at {point:.4f} of the weights"
+                    return pool, "the session's hash on the weights"
+            return available[-1], "the session's hash on the weights"
         total = sum(self.weights[p] for p in available)
         for pool in available:
             self.current[pool] += self.weights[pool]

@@ -40,7 +40,8 @@ def timings(relay: Any) -> dict[str, Any]:
                 backend["state"] = attribution
     return {"gateway_ms": ms(parsed - s.arrival), "routing_ms": ms(routed - parsed),
             "retries": sum(1 for a in relay.decision.attempts
-                           if a["outcome"] not in ("skipped", "served", "answered")),
+                           if a["outcome"] not in ("skipped", "served", "answered")
+                           and not a.get("after_output")),
             "retry_ms": ms(relay.failed_s), "upstream_connect_ms": connect,
             "upstream_headers_ms": headers, "ttft_ms": _since(relay.first_output, s.arrival),
             "e2e_ms": ms(end - s.arrival), "backend": backend}

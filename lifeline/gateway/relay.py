@@ -3,23 +3,34 @@ then relay its answer.
 
 Nothing reaches the client before a backend has produced its first output token (or, without
 streaming, its whole answer), so a failure up to then (connect error, 5xx, 429/503, no first
-token within the route's limit, a stream that broke or reported an error) moves the request to
-the next backend without the client ever seeing two answers. A stream that breaks after its
-first token has been relayed ends with an OpenAI error event and no `data: [DONE]`. At most
-`max_attempts` backends are tried."""
+token within the route's limit, a stream that broke, reported an error or was malformed) moves
+the request to the next backend without the client ever seeing two answers. A stream that
+breaks after its first token has been relayed ends with an OpenAI error event (carrying
+`routing` and `timings`, the attempt recorded as failed with its kind) and no `data: [DONE]`.
+At most `max_attempts` backends are tried, all within the route's `deadline_s`.
+
+Each attempt holds a `Lease` on its backend, released exactly once however the attempt ends."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from lifeline.gateway import record, sse
-from lifeline.gateway.backends import Backend, BackendError, Exchange, close_soon, failure_kind
+from lifeline.gateway import answers, bodies, record, sse
+from lifeline.gateway.backends import (
+    Backend,
+    BackendError,
+    Exchange,
+    Lease,
+    close_soon,
+    failure_kind,
+    read_capped,
+)
 from lifeline.gateway.router import Decision, Route
 from lifeline.observe import ServerStamps
 from lifeline.server.errors import error_body
@@ -30,10 +41,15 @@ PASSED_HEADERS = ("content-type", "retry-after")
 
 class Relay:
     def __init__(self, state: Any, stamps: ServerStamps, request_id: str, endpoint: str,
-                 body: dict[str, Any], route: Route, decision: Decision):
+                 body: dict[str, Any], route: Route, decision: Decision,
+                 body_bytes: int | None = None):
         self.state, self.stamps, self.id = state, stamps, request_id
         self.endpoint, self.body, self.route, self.decision = endpoint, body, route, decision
+        self.body_bytes = body_bytes
+        """The size of the body the client sent (unknown: written off the loop)."""
         self.stream = body.get("stream") is True
+        self.deadline_at = math.inf
+        """When (the event loop's clock) the request must be over: arrival + `deadline_s`."""
         self.expected_choices = _choices(body)
         self.routed: float | None = None
         self.failed_s = 0.0
@@ -49,6 +65,9 @@ class Relay:
         self.accounted = False
         self.aborted = False
         self._exchange: Exchange | None = None
+        self._lease: Lease | None = None
+        self._served: dict[str, Any] | None = None
+        """The decision's entry for the attempt whose answer is relayed."""
         self._bodies: dict[str, bytes] = {}
         self._seen: dict[str, Any] = {}
         """The stream's id, object, created and model (for a closing chunk of our own)."""
@@ -64,6 +83,8 @@ class Relay:
 
     async def respond(self) -> Response:
         state = self.state
+        spent = time.perf_counter() - self.stamps.arrival
+        self.deadline_at = asyncio.get_running_loop().time() + self.route.spec.deadline_s - spent
         state.admission.in_flight += 1
         state.generations.add(self)
         handed_off = False
@@ -78,19 +99,28 @@ class Relay:
             if not handed_off:
                 self.finish()
 
+    def past_deadline(self) -> bool:
+        return asyncio.get_running_loop().time() >= self.deadline_at
+
     async def _attempts(self) -> Response:
         spec = self.route.spec
         tried = 0
         previous: Backend | None = None
         order = list(self.decision.order)
+        late = False
         while order:
             backend = order.pop(0)
             if tried >= spec.max_attempts or self.aborted:
                 break
-            if not backend.acquire():
+            if self.past_deadline():
+                late = True
+                break
+            lease = backend.lease()
+            if lease is None:
                 self.decision.attempts.append({"backend": backend.name, "outcome": "skipped",
                                                "note": backend.unavailable() or "busy"})
                 continue
+            self._lease = lease
             tried += 1
             if previous is not None:
                 self.state.metrics.fallbacks.labels(spec.name, previous.name).inc()
@@ -98,58 +128,79 @@ class Relay:
             self.routed = self.routed or started
             self.state.metrics.backend_requests.labels(backend.name).inc()
             try:
-                return await self._attempt(backend, started)
+                return await self._attempt(backend, lease, started)
             except BackendError as err:
-                backend.release(None if self.aborted else backend.verdict_on(err))
+                lease.release(None if self.aborted else backend.verdict_on(err))
                 self._failed(backend, err, started)
                 previous = backend
+                if err.kind == "deadline":
+                    late = True
+                    break
                 if backend.retries_on(err):
                     order.insert(0, backend)
             except BaseException:
-                backend.release(None)
+                lease.release(None)
                 raise
         if self.aborted:
             self.status = 503
             return self._error(503, "the gateway is shutting down", "draining", 1.0)
+        if late:
+            self.status = 504
+            return self._error(504, f"the request's deadline ({spec.deadline_s:g} s) passed "
+                               "before a backend answered", "deadline_exceeded", 1.0)
         return self._exhausted(tried)
 
-    async def _attempt(self, backend: Backend, started: float) -> Response:
+    async def _attempt(self, backend: Backend, lease: Lease, started: float) -> Response:
         self.marks = marks = {}
         self.sent_at = started
         self._exchange = None
+        loop = asyncio.get_running_loop()
         limit = self.route.spec.first_token_timeout_s or backend.spec.first_token_timeout_s
-        if not self.stream:
-            limit = None
+        first_by = loop.time() + limit if self.stream and limit else math.inf
         try:
-            async with asyncio.timeout(limit):
-                exchange = await backend.open(self.endpoint, self._body_for(backend),
-                                              self.headers, marks, self.decision.prefix)
+            async with asyncio.timeout_at(min(first_by, self.deadline_at)):
+                body = await self._body_for(backend)
+                exchange = await backend.open(self.endpoint, body, self.headers, marks,
+                                              self.decision.prefix)
                 self._exchange = exchange
+                self._count_resends(backend, getattr(exchange, "detail", None))
                 try:
                     if exchange.status != 200:
-                        return await self._refused(backend, exchange, started)
+                        return await self._refused(backend, lease, exchange, started)
                     if not self.stream:
-                        content = await exchange.aread()
+                        content = await read_capped(exchange, backend.spec.max_response_bytes)
                         close_soon(exchange)
-                        return self._whole(backend, content)
-                    stream = sse.events(exchange.aiter_bytes())
-                    held = await self._until_output(stream)
+                        data = await self._read_whole(content)
+                    else:
+                        stream = self._events(exchange, backend)
+                        held = await self._until_output(stream, backend.spec.max_event_bytes)
                 except BaseException:
                     close_soon(exchange)
                     raise
         except TimeoutError:
+            if self.deadline_at <= first_by:
+                raise self._deadline() from None
             raise BackendError("first_token_timeout",
                                f"no output token within {limit:g} s") from None
+        if not self.stream:
+            return await self._whole(backend, lease, data, len(content))
         return self._commit(backend, exchange, stream, held)
 
-    def _body_for(self, backend: Backend) -> bytes:
+    def _deadline(self) -> BackendError:
+        return BackendError("deadline", f"the request's deadline ({self.route.spec.deadline_s:g}"
+                            " s) passed")
+
+    async def _body_for(self, backend: Backend) -> bytes:
+        """The body to send `backend`, `model` its name for the route: written once per name,
+        off the event loop when the client's body was large."""
         model = backend.model_for(self.route.spec.name)
         if model not in self._bodies:
-            self._bodies[model] = json.dumps({**self.body, "model": model},
-                                             ensure_ascii=False).encode()
+            size = self.body_bytes if self.body_bytes is not None else bodies.INLINE_BYTES + 1
+            self._bodies[model] = await bodies.encode({**self.body, "model": model}, size)
         return self._bodies[model]
 
-    async def _refused(self, backend: Backend, exchange: Exchange, started: float) -> Response:
+    async def _refused(self, backend: Backend, lease: Lease, exchange: Exchange,
+                       started: float) -> Response:
         """A status other than 200: a failure to move on from, or the client's own error
         (4xx), passed on as the backend worded it."""
         kind = failure_kind(exchange.status)
@@ -157,20 +208,36 @@ class Relay:
             close_soon(exchange)  # its body (a message we would not show) is not read
             raise BackendError(kind, f"answered HTTP {exchange.status}", exchange.status,
                                _retry_after(exchange.headers))
-        content = await exchange.aread()
+        content = await read_capped(exchange, backend.spec.max_response_bytes)
         close_soon(exchange)
-        backend.release(True)  # it answered; the request was at fault
+        # It answered, but the request was at fault: that says nothing of the backend's health
+        # (a backend that fails every other request must not look well by refusing bad ones).
+        lease.release(None)
         self.backend, self.status = backend, exchange.status
         self.decision.attempts.append(self._attempt_entry(backend, "answered", started,
                                                           exchange.status))
         headers = {k: v for k, v in exchange.headers.items() if k in PASSED_HEADERS}
         return Response(content, exchange.status, headers={**headers, **self._own_headers()})
 
-    async def _until_output(self, stream: AsyncIterator[sse.Event]) -> list[sse.Event]:
-        """The events up to the first that carries output (or ends the stream)."""
+    async def _events(self, exchange: Exchange, backend: Backend) -> AsyncIterator[sse.Event]:
+        """The stream's events, each checked: a malformed one is a `bad_response`."""
+        try:
+            async for event in sse.events(exchange.aiter_bytes(), backend.spec.max_event_bytes):
+                if event.data is not None and not event.error:
+                    answers.check_chunk(event.data, self.expected_choices)
+                yield event
+        except (sse.BadStream, answers.BadAnswer) as exc:
+            raise BackendError("bad_response", f"the stream is malformed: {exc}") from None
+
+    async def _until_output(self, stream: AsyncIterator[sse.Event], cap: int
+                            ) -> list[sse.Event]:
+        """The events up to the first that carries output (or ends the stream): at most
+        `cap` bytes of them."""
         held: list[sse.Event] = []
+        size = 0
         async for event in stream:
             held.append(event)
+            size += len(event.raw)
             if event.done:
                 return held
             if event.error:
@@ -179,9 +246,19 @@ class Relay:
             if event.data is not None and sse.has_output(event.data):
                 self.first_output = time.perf_counter()
                 return held
+            if size > cap:
+                raise BackendError("bad_response", f"more than {cap} bytes of events before "
+                                   "any output")
         raise BackendError("incomplete_stream", "the stream ended before any output")
 
+    def _count_resends(self, backend: Backend, detail: dict[str, Any] | None) -> None:
+        resent = (detail or {}).get("resent")
+        if resent:
+            self.state.metrics.resends.labels(backend.name).inc(len(resent))
+
     def _failed(self, backend: Backend, err: BackendError, started: float) -> None:
+        if self._exchange is None:  # open() failed: its resends are in the error's detail
+            self._count_resends(backend, err.detail)
         now = time.perf_counter()
         self.failed_s += now - started
         self.state.metrics.backend_errors.labels(backend.name, err.kind).inc()
@@ -222,19 +299,25 @@ class Relay:
     def _error(self, status: int, message: str, code: str, retry_after: float) -> Response:
         body = error_body(status, message, None, code)
         body["routing"] = self.decision.to_dict()
+        body["timings"] = self.timings()
         headers = {"Retry-After": str(max(1, round(retry_after))), **self._own_headers()}
         return JSONResponse(body, status, headers)
 
     # -- a backend serves ----------------------------------------------------------------
 
-    def _whole(self, backend: Backend, content: bytes) -> Response:
+    async def _read_whole(self, content: bytes) -> dict[str, Any]:
+        """A whole answer's JSON, checked (read off the event loop when large)."""
         try:
-            data = json.loads(content)
-            if not isinstance(data, dict):
-                raise ValueError("not an object")
-        except ValueError:
-            raise BackendError("bad_response", "the answer is not a JSON object") from None
-        backend.release(True)
+            data = await bodies.decode(content)
+            answers.check_whole(data, self.expected_choices,
+                                self.endpoint.endswith("/chat/completions"))
+        except (bodies.BadJSON, answers.BadAnswer) as exc:
+            raise BackendError("bad_response", f"the answer is malformed: {exc}") from None
+        return data
+
+    async def _whole(self, backend: Backend, lease: Lease, data: dict[str, Any],
+                     size: int) -> Response:
+        lease.release(True)
         self.backend = backend
         self._observe(data)
         self.decision.attempts.append(self._attempt_entry(backend, "served", self.sent_at,
@@ -244,14 +327,15 @@ class Relay:
         data["timings"] = timings
         data["routing"] = self.decision_dict()
         self.verdict = True
-        return JSONResponse(data, headers={"Server-Timing": record.server_timing(timings),
-                                           **self._own_headers()})
+        return Response(await bodies.encode(data, size), media_type="application/json",
+                        headers={"Server-Timing": record.server_timing(timings),
+                                 **self._own_headers()})
 
     def _commit(self, backend: Backend, exchange: Exchange,
                 stream: AsyncIterator[sse.Event], held: list[sse.Event]) -> Response:
         self.backend = backend
-        self.decision.attempts.append(self._attempt_entry(backend, "served", self.sent_at,
-                                                          200))
+        self._served = self._attempt_entry(backend, "served", self.sent_at, 200)
+        self.decision.attempts.append(self._served)
         if self.first_output is not None:
             self.state.metrics.ttft.labels(backend.name).observe(
                 self.first_output - self.sent_at)
@@ -277,8 +361,8 @@ class Relay:
         self._ended = True
         if self._exchange is not None:
             close_soon(self._exchange)
-        if self.backend is not None:
-            self.backend.release(self.verdict)
+        if self._lease is not None:
+            self._lease.release(self.verdict)
         self.finish()
 
     async def _pieces(self, stream: AsyncIterator[sse.Event], held: list[sse.Event]
@@ -304,16 +388,23 @@ class Relay:
                 return
         self.verdict = True
         self.stamps.mark("last_byte")
-        for piece in self._closing(tail):
+        for piece in await self._closing(tail):
             yield piece
         yield b"data: [DONE]\n\n"
 
     async def _rest(self, stream: AsyncIterator[sse.Event], tail: list[sse.Event]
                     ) -> AsyncIterator[bytes]:
         """The stream after the held events, up to `[DONE]` or the backend's error event
-        (passed on as it came; the stream then ends)."""
+        (passed on with the record added; the stream then ends), within the deadline. The
+        events held after the answer's end are at most `max_event_bytes` together."""
+        cap = self.backend.spec.max_event_bytes
+        held = 0
         while True:
-            event = await anext(stream, None)
+            try:
+                async with asyncio.timeout_at(self.deadline_at):
+                    event = await anext(stream, None)
+            except TimeoutError:
+                raise self._deadline() from None
             if event is None:
                 raise BackendError("incomplete_stream", "the backend ended the stream without "
                                    "[DONE]")
@@ -322,28 +413,58 @@ class Relay:
             if event.error:
                 self.verdict, self.status = False, 502
                 self.state.metrics.backend_errors.labels(self.backend.name, "error_event").inc()
-                for e in [*tail, event]:
+                self._cut("error_event", "the stream reported an error after the answer began")
+                for e in tail:
                     yield e.raw
+                yield self._recorded(dict(event.data))
                 return
             piece = self._pass(event, tail)
             if piece:
                 yield piece
+            else:
+                held += len(event.raw)
+                if held > cap:
+                    raise BackendError("bad_response", f"more than {cap} bytes of events "
+                                       "after the answer's end")
 
     def _broken(self, err: BackendError, tail: list[sse.Event]) -> list[bytes]:
         """The end of a stream whose backend failed after the answer began: what was held, then
-        an error event (never a silent end, never `[DONE]`)."""
+        an error event carrying the record (never a silent end, never `[DONE]`); the attempt
+        is recorded as what it met."""
         pieces = [e.raw for e in tail]
+        name = self.backend.name
         if self.aborted:
             self.verdict, self.status = None, 503
-            return pieces + [sse.encode(error_body(
+            self._cut("aborted", "the gateway shut down before the answer ended")
+            return pieces + [self._recorded(error_body(
                 503, "the gateway is shutting down; the answer is incomplete", None,
                 "draining"))]
+        self.state.metrics.backend_errors.labels(name, err.kind).inc()
+        self._cut(err.kind, err.message)
+        if err.kind == "deadline":  # the request's limit, not the backend's failure
+            self.verdict, self.status = None, 504
+            return pieces + [self._recorded(error_body(
+                504, f"{err.message}; the answer is incomplete", None, "deadline_exceeded"))]
         self.verdict, self.status = False, 502
-        self.state.metrics.backend_errors.labels(self.backend.name, err.kind).inc()
-        return pieces + [sse.encode({"error": {
-            "message": f"the backend {self.backend.name!r} failed after the answer began "
+        return pieces + [self._recorded({"error": {
+            "message": f"the backend {name!r} failed after the answer began "
                        f"({err.message}); the answer is incomplete", "type": "server_error",
             "param": None, "code": "backend_failed_mid_stream"}})]
+
+    def _cut(self, kind: str, message: str) -> None:
+        """The relayed attempt did not end its answer: its entry says what it met instead."""
+        entry = self._served
+        if entry is not None:
+            entry.update(outcome=kind, error=message, after_output=True,
+                         ms=record.ms(time.perf_counter() - self.sent_at))
+        log.info("%s: backend %s failed after the answer began (%s: %s)", self.id,
+                 self.backend.name, kind, message)
+
+    def _recorded(self, data: dict[str, Any]) -> bytes:
+        """An event closing the stream early (an error), with `timings` and `routing`."""
+        self.stamps.mark("last_byte")
+        data["timings"], data["routing"] = self.timings(), self.decision_dict()
+        return sse.encode(data)
 
     def _pass(self, event: sse.Event, tail: list[sse.Event]) -> bytes | None:
         """Note what the event says; its bytes to send now, or None when it joins the tail."""
@@ -364,7 +485,7 @@ class Relay:
             return None
         return event.raw
 
-    def _closing(self, tail: list[sse.Event]) -> list[bytes]:
+    async def _closing(self, tail: list[sse.Event]) -> list[bytes]:
         """The held tail, its last JSON event carrying the gateway's timings (the backend's
         nested in them) and the routing decision; a chunk of its own when there is none."""
         timings, routing = self.timings(), self.decision_dict()
@@ -379,7 +500,7 @@ class Relay:
             return pieces + [sse.encode(chunk)]
         data = dict(tail[last].data)
         data["timings"], data["routing"] = timings, routing
-        pieces[last] = sse.encode(data)
+        pieces[last] = b"data: " + await bodies.encode(data, len(tail[last].raw)) + b"\n\n"
         return pieces
 
     def _observe(self, data: dict[str, Any]) -> None:

@@ -11,8 +11,9 @@ from typing import Any
 
 from lifeline.gateway.backends import Backend
 from lifeline.gateway.config import GatewayConfig, RouteSpec
-from lifeline.gateway.policies import Pick, Scored, WeightedSplit, digest, make_policy
+from lifeline.gateway.policies import Pick, Scored, WeightedSplit, make_policy
 from lifeline.server.errors import APIError
+from lifeline.server.tenants import reported_hash
 
 RECENT_DECISIONS = 256
 """Decisions `/gateway/decisions` keeps."""
@@ -38,6 +39,9 @@ class Decision:
     prefix: str | None = None
     """The prompt's leading characters the policies read (a Ray backend's router reads them
     too); not part of the record."""
+    tenant: str | None = None
+    """Whose request it is (`lifeline.server.tenants.tenant_of` its key): `/gateway/decisions`
+    shows a caller only its own; not part of the record."""
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model, "requested": self.requested, "pool": self.pool,
@@ -69,7 +73,9 @@ class Router:
         self.backends = backends
         self.routes = {name: Route(spec, backends) for name, spec in config.models.items()}
         self.names = config.names()
-        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT_DECISIONS)
+        self.recent: deque[tuple[str | None, dict[str, Any]]] = deque(
+            maxlen=RECENT_DECISIONS)
+        """(tenant, record) of the last decisions, oldest first."""
 
     def resolve(self, requested: Any) -> Route:
         if requested is None:
@@ -97,7 +103,7 @@ class Router:
         available = [name for name, replicas in usable.items() if replicas]
         split: dict[str, Any] = {"weights": {p.name: p.weight for p in spec.pools}}
         if session is not None:
-            split["sticky"] = {"source": session[0], "hash": f"{digest(session[1]):016x}"}
+            split["sticky"] = {"source": session[0], "hash": reported_hash(session[1])}
         if not available:
             decision = Decision(spec.name, requested, "", split, "", self._candidates(
                 route, None), None, "no pool has a replica that can serve now", "none")
@@ -144,4 +150,12 @@ class Router:
         return out
 
     def remember(self, decision: Decision) -> None:
-        self.recent.append({"at": time.time(), **decision.to_dict()})
+        self.recent.append((decision.tenant, {"at": time.time(), **decision.to_dict()}))
+
+    def recent_of(self, tenant: str | None, limit: int) -> list[dict[str, Any]]:
+        """The last `limit` decisions, oldest first: every one (tenant None: the admin), or
+        the tenant's own."""
+        if limit <= 0:
+            return []
+        rows = [row for who, row in self.recent if tenant is None or who == tenant]
+        return rows[-limit:]

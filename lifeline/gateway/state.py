@@ -44,7 +44,7 @@ class GatewayState:
 
     def __post_init__(self) -> None:
         self.auth = Authenticator(self.config.api_keys, self.config.protect_metrics,
-                                  self.config.admin_key)
+                                  self.config.admin_key, frozenset({"/gateway/decisions"}))
         self.limiter = RateLimiter(self.config.rate_limit_rpm, None)
 
     def fail_backend(self, backend: Backend) -> None:
