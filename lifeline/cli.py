@@ -192,6 +192,13 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--allowed-media-domains", nargs="*", default=[],
                    help="a vision model: fetch http(s) image URLs from these domains (and "
                         "their subdomains), public addresses only (default: no fetching)")
+    p.add_argument("--max-images", type=int, default=8,
+                   help="a vision model: images in one chat request (default 8)")
+    p.add_argument("--max-image-bytes", type=parse_bytes, default=8 << 20,
+                   help="a vision model: one image's encoded bytes, e.g. 4MiB (default 8MiB)")
+    p.add_argument("--max-image-pixels", type=int, default=33_177_600,
+                   help="a vision model: one image's width x height, read from its header "
+                        "before it is decoded (default 33177600, 8K UHD)")
     p.add_argument("--allowed-origins", nargs="*", default=[],
                    help="CORS origins allowed (default: CORS off; '*' for any)")
     p.add_argument("--allowed-methods", nargs="*", default=["*"], help="CORS methods")
@@ -298,10 +305,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 RAY_FLAGS = ("ray", "ray_address", "replicas", "min_replicas", "max_replicas",
              "target_ongoing_requests")
-NOT_WITH_RAY = ("rate_limit_tpm", "otlp_endpoint", "allowed_origins", "tokenizer")
-"""Flags of the single-model server that the gateway in front of Ray replicas does not have:
-it counts no tokens, exports no spans, and answers no CORS preflight; its replicas load their
-model's own tokenizer."""
+_NO_CORS = "the gateway in front of the replicas answers no CORS preflight"
+NOT_WITH_RAY = {
+    "rate_limit_tpm": "the gateway counts no tokens, and a replica never sees the caller's key "
+                      "(--rate-limit-rpm works: the gateway counts requests)",
+    "otlp_endpoint": "the gateway exports no spans",
+    "allowed_origins": _NO_CORS, "allowed_methods": _NO_CORS, "allowed_headers": _NO_CORS,
+    "allow_credentials": _NO_CORS,
+    "enable_fault_injection": "the gateway does not pass X-Lifeline-Fault on to the replicas",
+    "tokenizer": "each replica loads its model's own tokenizer"}
+"""Flags of the single-model server that mean nothing in front of Ray replicas, and why: given
+with `--ray` they stop it at start. Every other flag takes effect: the gateway's own
+(`lifeline.gateway.config.GATEWAY_OPTIONS`) at the gateway, the rest
+(`lifeline.gateway.config.BACKEND_OPTIONS`, the engine's) in every replica."""
 GATEWAY_FLAGS = ("config", "host", "port", "api_key", "huge_pages", "command", "exec_allowed")
 """`serve` flags that apply with `--config`; the file says everything else."""
 
@@ -330,7 +346,11 @@ def serve_gateway(args: argparse.Namespace) -> int:
     config.host = config.host or args.host
     config.port = args.port if config.port is None else config.port
     config.api_keys = [*config.api_keys, *args.api_key]
-    app = create_gateway_app(config)
+    try:
+        app = create_gateway_app(config)
+    except ConfigError as exc:
+        print(f"lifeline serve: {exc}", file=sys.stderr)
+        return 2
     AccessLog.configure()
     return serve(app)
 
@@ -345,14 +365,15 @@ def serve_ray(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     defaults = vars(build_parser().parse_args(["serve"]))
-    stray = [f"--{k.replace('_', '-')}" for k in NOT_WITH_RAY if defaults.get(k) != getattr(
-        args, k)]
+    stray = [k for k in NOT_WITH_RAY if defaults.get(k) != getattr(args, k)]
     if stray:
-        print(f"lifeline serve: {', '.join(stray)} cannot be combined with --ray",
-              file=sys.stderr)
+        for k in stray:
+            print(f"lifeline serve: --{k.replace('_', '-')} cannot be combined with --ray: "
+                  f"{NOT_WITH_RAY[k]}", file=sys.stderr)
         return 2
     try:
         config = ray_gateway_config(args)
+        config.check()
     except ValueError as exc:
         print(f"lifeline serve: {exc}", file=sys.stderr)
         return 2
@@ -379,7 +400,15 @@ def ray_gateway_config(args: argparse.Namespace) -> Any:
     """The gateway that `lifeline serve --ray` flags describe: one model, one backend of kind
     `ray` (the engine and server flags go to every replica), the gateway's own flags kept."""
     from lifeline.gateway.backends import local_model_name
-    from lifeline.gateway.config import BackendSpec, GatewayConfig, PoolSpec, RaySpec, RouteSpec
+    from lifeline.gateway.config import (
+        BACKEND_OPTIONS,
+        BackendSpec,
+        GatewayConfig,
+        PoolSpec,
+        RaySpec,
+        RouteSpec,
+        backend_body_limit,
+    )
 
     server = serve_config(args)
     autoscale = {k: v for k, v in (("min_replicas", args.min_replicas),
@@ -397,21 +426,22 @@ def ray_gateway_config(args: argparse.Namespace) -> Any:
         if args.replicas is not None:
             autoscale["initial_replicas"] = args.replicas
     name = server.served_model_name or local_model_name(args.model)
-    options = {k: getattr(server, k) for k in (
-        "chat_template", "allow_request_chat_template", "reasoning_parser", "tool_call_parser",
-        "max_queued_requests", "request_timeout", "default_max_tokens",
-        "salt_cache_by_api_key", "enable_fault_injection", "admin_key")}
+    options = {k: getattr(server, k) for k in BACKEND_OPTIONS}
     backend = BackendSpec(
         name="ray", kind="ray", model=args.model, served_model_name=name,
         engine=server.engine, server_options=options,
         ray=RaySpec(replicas=args.replicas or 1, autoscaling=tuple(autoscale.items()),
                     num_cpus=args.replica_cpus))
     route = RouteSpec(name=name, pools=(PoolSpec(name, ("ray",), 1.0, "least_outstanding"),))
-    return GatewayConfig(
+    config = GatewayConfig(
         backends={"ray": backend}, models={name: route}, host=args.host, port=args.port,
         api_keys=list(args.api_key), protect_metrics=args.protect_metrics,
-        rate_limit_rpm=args.rate_limit_rpm, shutdown_timeout=args.shutdown_timeout,
-        ray_address=args.ray_address, source="lifeline serve --ray")
+        admin_key=args.admin_key, rate_limit_rpm=args.rate_limit_rpm,
+        salt_cache_by_api_key=args.salt_cache_by_api_key,
+        shutdown_timeout=args.shutdown_timeout, ray_address=args.ray_address,
+        source="lifeline serve --ray")
+    options["max_body_bytes"] = backend_body_limit(config)
+    return config
 
 
 def serve_config(args: argparse.Namespace) -> ServerConfig:
@@ -445,7 +475,9 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
         enable_fault_injection=args.enable_fault_injection,
-        allowed_media_domains=args.allowed_media_domains, engine=engine)
+        allowed_media_domains=args.allowed_media_domains, max_images=args.max_images,
+        max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
+        engine=engine)
 
 
 def _json_object(text: str) -> dict:

@@ -369,3 +369,35 @@ def test_a_replica_killed_mid_run(gateway, client, reference):
     metrics = httpx.get(gateway.base_url + "/metrics").text
     assert 'lifeline:gateway_backend_errors_total{backend="tiny",kind="replica_died"} 3.0' \
         in metrics
+
+
+# -- tenants and options on Ray ------------------------------------------------------------
+
+
+@needs_ray
+def test_serve_ray_flags_take_effect_and_keep_tenants_apart_on_a_replica(cluster, tmp_path):
+    """`lifeline serve --ray` with a vision model on one replica, given the options
+    tests/test_server_tenants.py gives a local backend (as flags here): the gateway's own
+    (keys, the admin key, the salt by key, the request limit) hold at the gateway, the rest
+    (image limits, media domains, default max_tokens) in the replica; tenants share neither
+    prefix-cache blocks nor image embeddings on it."""
+    from lifeline.cli import build_parser, ray_gateway_config
+    from tests.tenants import ADMIN, KEYS, TENANT_OPTIONS, check_tenants_and_options, tiny_vlm
+
+    path = tiny_vlm(tmp_path / "vlm")
+    o = TENANT_OPTIONS
+    args = build_parser().parse_args([
+        "serve", "--ray", "--model", str(path), "--served-model-name", "vlm",
+        "--chat-template", str(path / "template.jinja"), "--weights", "fp32", "--no-compile",
+        "--kv-cache-memory-bytes", "16MiB", "--replica-cpus", "0.5",
+        *(f for key in KEYS.values() for f in ("--api-key", key)), "--admin-key", ADMIN,
+        "--salt-cache-by-api-key", "--rate-limit-rpm", str(o["rate_limit_rpm"]),
+        "--max-images", str(o["max_images"]), "--max-image-pixels", str(o["max_image_pixels"]),
+        "--allowed-media-domains", *o["allowed_media_domains"],
+        "--default-max-tokens", str(o["default_max_tokens"])])
+    with GatewayThread(ray_gateway_config(args)) as gw:
+        deadline = time.monotonic() + 600
+        while httpx.get(gw.base_url + "/ready").status_code != 200:
+            assert time.monotonic() < deadline, "the Ray replica did not become ready"
+            time.sleep(0.2)
+        check_tenants_and_options(gw.base_url, "vlm", path)

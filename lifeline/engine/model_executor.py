@@ -87,8 +87,9 @@ class ModelExecutor:
         if self.vision is None:
             raise ValueError("this model has no vision tower: it cannot take images")
         parts = []
-        for _, img, rows, _ in inputs.images:
-            embeds = self.encoder_cache.get(img.hash)
+        for req, img, rows, _ in inputs.images:
+            key = req.image_key(img)
+            embeds = self.encoder_cache.get(key)
             if embeds is None:
                 pixels = torch.as_tensor(img.pixels)
                 embeds, encode_s, project_s = self.vision.encode_stages(
@@ -96,7 +97,7 @@ class ModelExecutor:
                 if embeds.shape[0] != img.num_embeds:
                     raise ValueError(f"an image's tower gives {embeds.shape[0]} rows for its "
                                      f"{img.num_embeds} tokens")
-                self.encoder_cache.put(img.hash, embeds)
+                self.encoder_cache.put(key, embeds)
                 img.timings["encode_s"] = img.timings.get("encode_s", 0.0) + encode_s
                 img.timings["project_s"] = img.timings.get("project_s", 0.0) + project_s
             else:
@@ -134,8 +135,9 @@ class ModelExecutor:
 
 
 class EncoderCache:
-    """Image embeddings by the image's hash, least recently used first out past `max_bytes`:
-    the same image in another request, or in the next turn, is not encoded again."""
+    """Image embeddings by the image's key (`Request.image_key`: its hash, salted as the
+    request's prefix cache is), least recently used first out past `max_bytes`: the same image
+    in another request, or in the next turn, is not encoded again."""
 
     def __init__(self, max_bytes: int):
         from collections import OrderedDict

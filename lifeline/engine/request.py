@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -113,6 +114,14 @@ class Request:
 
     def __post_init__(self) -> None:
         self.sampling_plan = SamplingPlan(self.params)
+
+    def image_key(self, img: Any) -> str:
+        """The encoder cache's key of one of its images: the image's hash, salted as its
+        prefix-cache blocks are (requests whose `extra_hash_key` differ share no image
+        embeddings either, so no tenant's timings show another's image encoded)."""
+        if not self.extra_hash_key:
+            return img.hash
+        return hashlib.sha256(self.extra_hash_key + b"\0" + img.hash.encode()).hexdigest()
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -62,7 +62,7 @@ class SchedulerOutput:
     encoder_tokens: int = 0
     """Image tokens this step encodes (images its chunks reach that are not yet encoded)."""
     encoding: set[str] = field(default_factory=set)
-    """Their hashes."""
+    """Their keys (`Request.image_key`)."""
 
     @property
     def num_tokens(self) -> int:
@@ -81,9 +81,9 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.encoded: OrderedDict[str, int] = OrderedDict()
-        """Images counted as encoded (hash → tokens), least recently used first: the
-        executor's encoder cache as the budget sees it (an image it evicted sooner is
-        encoded again, correctly, just off the budget)."""
+        """Images counted as encoded (`Request.image_key` → tokens), least recently used
+        first: the executor's encoder cache as the budget sees it (an image it evicted sooner
+        is encoded again, correctly, just off the budget)."""
         self.encoder_budget = config.max_num_encoder_tokens or config.max_num_batched_tokens
 
     def add_request(self, req: Request) -> None:
@@ -181,21 +181,24 @@ class Scheduler:
             num_new = self._whole_images(req, start, num_new, budget)
         end = start + num_new
         for img in req.images:
-            if img.end <= start or img.offset >= end or img.hash in self.encoded \
-                    or img.hash in out.encoding:
+            if img.end <= start or img.offset >= end:
+                continue
+            key = req.image_key(img)
+            if key in self.encoded or key in out.encoding:
                 continue
             if out.encoder_tokens and out.encoder_tokens + img.num_embeds > self.encoder_budget:
                 return max(img.offset - start, 0)
             out.encoder_tokens += img.num_embeds
-            out.encoding.add(img.hash)
+            out.encoding.add(key)
         return num_new
 
     def _remember_images(self, req: Request, start: int, end: int) -> None:
         for img in req.images:
             if img.end <= start or img.offset >= end:
                 continue
-            self.encoded[img.hash] = img.num_embeds
-            self.encoded.move_to_end(img.hash)
+            key = req.image_key(img)
+            self.encoded[key] = img.num_embeds
+            self.encoded.move_to_end(key)
         total = sum(self.encoded.values())
         while total > self.config.encoder_cache_tokens and len(self.encoded) > 1:
             total -= self.encoded.popitem(last=False)[1]

@@ -8,14 +8,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from lifeline.gateway.backends import BackendError, build_backends, close_soon, failure_kind
+from lifeline.gateway import bodies
+from lifeline.gateway.backends import (
+    BackendError,
+    build_backends,
+    close_soon,
+    failure_kind,
+    read_capped,
+)
 from lifeline.gateway.config import GatewayConfig, RouteSpec
 from lifeline.gateway.health import HealthChecker
 from lifeline.gateway.relay import Relay
@@ -27,7 +33,9 @@ from lifeline.server.errors import APIError, install_handlers, parse_json
 from lifeline.server.limits import INLINE_JSON_COMMAS
 from lifeline.server.middleware import GatewayMiddleware
 from lifeline.server.openai_api import off_loop
+from lifeline.server.protocol import MAX_CACHE_SALT_CHARS
 from lifeline.server.state import new_id, short_gil_turns
+from lifeline.server.tenants import tenant_of, tenant_salt
 
 ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
 TOKEN_ENDPOINTS = ("/tokenize", "/detokenize")
@@ -36,7 +44,9 @@ TOKEN_ENDPOINTS = ("/tokenize", "/detokenize")
 def create_gateway_app(config: GatewayConfig, preloaded: dict[str, Any] | None = None
                        ) -> FastAPI:
     """A gateway for `config`. `preloaded` maps local backend names to models already loaded
-    (tests, notebooks); the others load in the background once the app starts."""
+    (tests, notebooks); the others load in the background once the app starts. Raises
+    ConfigError for options that cannot work together (`GatewayConfig.check`)."""
+    config.check()
     holder: dict[str, GatewayState] = {}
     backends = build_backends(config, preloaded, lambda b: holder["state"].fail_backend(b))
     state = holder["state"] = GatewayState(
@@ -109,9 +119,11 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
         return {name: b.status() for name, b in state.backends.items()}
 
     @app.get("/gateway/decisions")
-    async def decisions(limit: int = 50) -> dict[str, Any]:
-        recent = list(state.router.recent)[-max(limit, 0):] if limit > 0 else []
-        return {"object": "list", "data": recent}
+    async def decisions(request: Request, limit: int = 50) -> dict[str, Any]:
+        """The last decisions: the admin's key sees every caller's, an API key its own."""
+        admin = state.auth.is_admin(request.headers.get("authorization"))
+        who = None if admin else tenant_of(request.state.key)
+        return {"object": "list", "data": state.router.recent_of(who, limit)}
 
 
 def _debug_backends(state: GatewayState) -> list[dict[str, Any]]:
@@ -144,13 +156,18 @@ def _generate_handler(endpoint: str) -> Any:
         body = await _parse(request, state)
         requested = body.get("model")
         route = state.router.resolve(requested)
+        key = request.state.key
+        if state.config.salt_cache_by_api_key:
+            body["cache_salt"] = tenant_salt(key, _client_salt(body))
         stamps.mark("parsed")
-        state.limiter.admit_request(request.state.key)
+        state.limiter.admit_request(key)
         spec = route.spec
         decision = state.router.decide(
             route, requested if isinstance(requested, str) else None,
             _session(body, request, spec), _prompt_text(body, spec.prefix_chars))
-        relay = Relay(state, stamps, new_id("gw"), endpoint, body, route, decision)
+        decision.tenant = tenant_of(key)
+        relay = Relay(state, stamps, new_id("gw"), endpoint, body, route, decision,
+                      len(await request.body()))
         request.state.accounted = True  # the relay writes this request's access-log line
         return await _unless_client_leaves(request, relay)
 
@@ -175,14 +192,17 @@ def _token_handler(endpoint: str) -> Any:
                 continue
             ok: bool | None = None
             try:
-                sent = json.dumps({**body, "model": backend.model_for(spec.name)}).encode()
+                sent = await bodies.encode({**body, "model": backend.model_for(spec.name)},
+                                           len(await request.body()))
                 exchange = await backend.open(endpoint, sent, {}, {})
                 try:
-                    answer = await exchange.aread()
+                    answer = await read_capped(exchange, backend.spec.max_response_bytes)
                 finally:
                     close_soon(exchange)
-                ok = failure_kind(exchange.status) is None
-                if ok:  # the answer, or the client's own 4xx, as the backend gave it
+                failed = failure_kind(exchange.status) is not None
+                # a client's own 4xx is no verdict on the backend
+                ok = False if failed else (True if exchange.status < 400 else None)
+                if not failed:  # the answer, or the client's own 4xx, as the backend gave it
                     return Response(answer, exchange.status, media_type="application/json")
                 tried.append(f"{name}: HTTP {exchange.status}")
             except BackendError as exc:
@@ -227,6 +247,17 @@ async def _unless_client_leaves(request: Request, relay: Relay) -> Response:
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _client_salt(body: dict[str, Any]) -> str | None:
+    """The request's own `cache_salt`, checked as a server checks it (the backend sees only
+    the salt the gateway makes of it)."""
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not 1 <= len(salt) <=
+                             MAX_CACHE_SALT_CHARS):
+        raise APIError(400, f"cache_salt must be a string of 1 to {MAX_CACHE_SALT_CHARS} "
+                       "characters", "cache_salt", "invalid_value")
+    return salt
 
 
 def _session(body: dict[str, Any], request: Request, spec: RouteSpec

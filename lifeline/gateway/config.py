@@ -44,6 +44,50 @@ def _sampling_defaults(value: Any) -> dict[str, Any]:
     return dict(value)
 
 
+BACKEND_OPTIONS: dict[str, Callable[[Any], Any]] = {
+    "chat_template": text, "allow_request_chat_template": boolean,
+    "reasoning_parser": choice(("think",)), "tool_call_parser": choice(("hermes",)),
+    "max_queued_requests": integer(0), "request_timeout": positive,
+    "default_max_tokens": integer(1), "max_n": integer(1),
+    "sampling_defaults": _sampling_defaults, "allowed_media_domains": names,
+    "media_fetch_timeout_s": positive, "max_images": integer(1), "max_image_bytes": size,
+    "max_image_pixels": integer(1)}
+"""The `ServerConfig` options a local or Ray backend's engine server takes from its `server`
+table (`lifeline serve --ray` gives its flags of these to every replica); each applies to the
+requests that backend serves."""
+_SET_IN_SERVER = ("set it in the file's [server] table: the gateway applies it to every request "
+                  "before any backend sees it")
+NOT_IN_A_BACKEND = {
+    "api_keys": "set the keys in [server]: the gateway checks them, and a backend never sees a "
+                "client's key",
+    "admin_key": "set it in [server]: the gateway answers /debug/*, /dashboard/events and "
+                 "/gateway/decisions for its backends",
+    "protect_metrics": _SET_IN_SERVER, "rate_limit_rpm": _SET_IN_SERVER,
+    "max_body_bytes": _SET_IN_SERVER, "shutdown_timeout": "set shutdown_timeout_s in [server]",
+    "salt_cache_by_api_key": "set it in [server]: the gateway salts each request by its "
+                             "caller's key (a backend never sees the key)",
+    "rate_limit_tpm": "not behind the gateway: a backend never sees the caller's key, and the "
+                      "gateway counts no tokens",
+    "enable_fault_injection": "not behind the gateway: it does not pass X-Lifeline-Fault on",
+    "otlp_endpoint": "not behind the gateway: it exports no spans",
+    **{k: "not behind the gateway: it answers no CORS preflight" for k in (
+        "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials")}}
+"""`ServerConfig` options a backend's `server` table refuses, and why. With BACKEND_OPTIONS,
+`served_model_name` and `engine` (keys of the backend itself) and the gateway's own, every
+option of `lifeline serve` has one meaning at the gateway (tests/test_gateway_routing.py)."""
+NOT_AT_THE_GATEWAY = {
+    "rate_limit_tpm": "the gateway counts no tokens, so it cannot hold a token limit (nor can "
+                      "its backends: they never see the caller's key)",
+    "otlp_endpoint": "the gateway exports no spans"}
+"""Options of `lifeline serve` that a gateway's [server] table refuses with a reason (any
+other unknown key is refused too)."""
+BACKEND_KEYS_OF_A_SERVER = ("served_model_name", "engine")
+"""`ServerConfig` fields that a local or Ray backend sets with keys of its own."""
+GATEWAY_OPTIONS = ("host", "port", "api_keys", "admin_key", "protect_metrics",
+                   "rate_limit_rpm", "salt_cache_by_api_key", "max_body_bytes",
+                   "max_json_depth", "shutdown_timeout")
+"""`ServerConfig` fields the gateway itself applies ([server]; `max_json_depth` fixed)."""
+
 POLICIES = ("least_outstanding", "power_of_two", "prefix_affinity", "round_robin")
 KINDS = ("local", "upstream", "ray")
 AUTOSCALING_KEYS: dict[str, Callable[[Any], Any]] = {
@@ -87,6 +131,9 @@ class BackendSpec:
     """Upstream: where its OpenAI API lives, `/v1` included."""
     api_key: str | None = None
     """Upstream: the bearer key the gateway sends it (never the client's)."""
+    honours_cache_salt: bool = False
+    """Upstream: it keeps requests whose vLLM `cache_salt` differ out of each other's prefix
+    cache (vLLM, Lifeline), so the gateway's `salt_cache_by_api_key` can work there."""
     served_model_name: str | None = None
     """Local: the name its server answers to (default: as `lifeline serve` names it)."""
     engine: EngineConfig | None = None
@@ -99,6 +146,11 @@ class BackendSpec:
     wins)."""
     max_concurrency: int | None = None
     """Requests in flight at once; a backend at its limit is skipped."""
+    max_event_bytes: int = 1 << 20
+    """The largest stream event it may send (and the most bytes of events held before the first
+    output or after the end); past it, the answer is a `bad_response`."""
+    max_response_bytes: int = 32 << 20
+    """The largest whole (non-streaming) answer it may send; past it, a `bad_response`."""
     health_path: str = "/health"
     metrics_path: str | None = "/metrics"
     """Upstream: its Prometheus metrics, sampled while it has requests so that each one
@@ -134,6 +186,8 @@ class RouteSpec:
     """Where a session key is read, in order: 'user' (the body's field) or a header name."""
     max_attempts: int = 3
     first_token_timeout_s: float | None = None
+    deadline_s: float = 900.0
+    """A request's whole life at the gateway, every attempt and the relayed stream included."""
     prefix_chars: int = 256
     """Leading prompt characters hashed by `prefix_affinity`."""
     load_factor: float = 1.25
@@ -152,6 +206,10 @@ class GatewayConfig:
     """The key of `/debug/*` and `/dashboard/events` (the local backends' records): once API
     keys are set, those paths answer to it alone."""
     rate_limit_rpm: int | None = None
+    salt_cache_by_api_key: bool = False
+    """Salt every request's prefix cache (and image embeddings) by its caller: the gateway
+    sends each backend `cache_salt` = a keyed digest of the caller's API key (never the key;
+    `lifeline.server.tenants.tenant_salt`) in place of the client's own salt."""
     max_body_bytes: int = 8 << 20
     max_json_depth: int = 64
     shutdown_timeout: float = 30.0
@@ -169,6 +227,23 @@ class GatewayConfig:
     ray_namespace: str = "lifeline"
     source: str = "<config>"
 
+    def check(self) -> None:
+        """What can be checked only once the command line's keys have joined the file's:
+        raises ConfigError."""
+        if not self.salt_cache_by_api_key:
+            return
+        where = f"{self.source}: server.salt_cache_by_api_key"
+        if not self.api_keys:
+            raise ConfigError(f"{where}: needs API keys (server.api_keys or --api-key): "
+                              "without them every request is the same tenant")
+        for name, spec in self.backends.items():
+            if spec.kind == "upstream" and not spec.honours_cache_salt:
+                raise ConfigError(
+                    f"{where}: backend {name!r} is an upstream server, where the gateway can "
+                    f"keep tenants apart only through vLLM's cache_salt: set "
+                    f"`honours_cache_salt = true` in backends.{name} if it takes it (vLLM, "
+                    "Lifeline), or serve that model from another gateway")
+
     def names(self) -> dict[str, str]:
         """Every name a client may ask for (models and aliases) -> its route."""
         out = {}
@@ -176,6 +251,13 @@ class GatewayConfig:
             out[route.name] = route.name
             out.update({alias: route.name for alias in route.aliases})
         return out
+
+
+def backend_body_limit(config: GatewayConfig) -> int:
+    """The body limit of a local or Ray backend's server: the gateway holds clients to its own
+    `max_body_bytes`, and re-serialises what it forwards (spaces after separators, the model's
+    name, the cache salt), which may be a little larger than what the client sent."""
+    return 2 * config.max_body_bytes
 
 
 def load_config(path: str | Path) -> GatewayConfig:
@@ -233,6 +315,9 @@ class _Builder:
         self.check_names(config)
         if server is not None:
             self.server(server, config)
+        for spec in backends.values():
+            if spec.kind != "upstream":
+                spec.server_options["max_body_bytes"] = backend_body_limit(config)
         if health is not None:
             config.health_interval_s = health.get("interval_s", positive, 5.0)
             config.health_timeout_s = health.get("timeout_s", positive, 2.0)
@@ -257,12 +342,16 @@ class _Builder:
         if config.admin_key == "":
             raise t.fail("admin_key", "the admin key may not be empty")
         config.rate_limit_rpm = t.get("rate_limit_rpm", integer(1), None)
+        config.salt_cache_by_api_key = t.get("salt_cache_by_api_key", boolean, False)
         config.max_body_bytes = t.get("max_body_bytes", size, 8 << 20)
         config.shutdown_timeout = t.get("shutdown_timeout_s", non_negative, 30.0)
         default = t.get("default_model", text, None)
         if default is not None and default not in config.names():
             raise t.fail("default_model", f"no model or alias named {default!r}")
         config.default_model = default
+        for key, why in NOT_AT_THE_GATEWAY.items():
+            if key in t.data:
+                raise t.fail(key, why)
         t.done()
 
     def backend(self, name: str, parent: Table) -> BackendSpec:
@@ -276,7 +365,9 @@ class _Builder:
             connect_timeout_s=t.get("connect_timeout_s", positive, 5.0),
             read_timeout_s=t.get("read_timeout_s", positive, 600.0),
             first_token_timeout_s=t.get("first_token_timeout_s", positive, None),
-            max_concurrency=t.get("max_concurrency", integer(1), None))
+            max_concurrency=t.get("max_concurrency", integer(1), None),
+            max_event_bytes=t.get("max_event_bytes", size, 1 << 20),
+            max_response_bytes=t.get("max_response_bytes", size, 32 << 20))
         if kind == "upstream":
             if base_url is None:
                 raise t.fail("base_url", "required for an upstream backend")
@@ -291,6 +382,7 @@ class _Builder:
                 key = os.environ[env]
             metrics = t.get("metrics_path", text, "/metrics")
             spec = BackendSpec(**common, base_url=base_url, api_key=key,
+                               honours_cache_salt=t.get("honours_cache_salt", boolean, False),
                                health_path=t.get("health_path", text, "/health"),
                                metrics_path=metrics or None,
                                state_interval_s=t.get("state_interval_s", positive, 0.25))
@@ -368,20 +460,22 @@ class _Builder:
             raise ConfigError(f"{self.source}: {t.path}: {exc}") from None
 
     def server_options(self, t: Table | None) -> dict[str, Any]:
+        """A local or Ray backend's `server` table: the options of its engine's server
+        (`BACKEND_OPTIONS`); one the gateway applies itself, or cannot, is refused with
+        where it goes or why (`NOT_IN_A_BACKEND`)."""
         if t is None:
             return {}
-        checks: dict[str, Callable[[Any], Any]] = {
-            "chat_template": text, "allow_request_chat_template": boolean,
-            "reasoning_parser": choice(("think",)), "tool_call_parser": choice(("hermes",)),
-            "max_queued_requests": integer(0), "request_timeout": positive,
-            "default_max_tokens": integer(1), "salt_cache_by_api_key": boolean,
-            "enable_fault_injection": boolean, "max_n": integer(1), "admin_key": text,
-            "sampling_defaults": _sampling_defaults}
-        out = {key: t.get(key, check) for key, check in checks.items() if key in t.data}
-        t.known.extend(checks)
+        for key, why in NOT_IN_A_BACKEND.items():
+            if key in t.data:
+                raise t.fail(key, why)
+        out = {key: t.get(key, check) for key, check in BACKEND_OPTIONS.items()
+               if key in t.data}
+        t.known.extend(BACKEND_OPTIONS)
         t.done()
         if "chat_template" in out:
             out["chat_template"] = Path(out["chat_template"])
+        if "allowed_media_domains" in out:
+            out["allowed_media_domains"] = list(out["allowed_media_domains"])
         return out
 
     def route(self, name: str, parent: Table, backends: dict[str, BackendSpec]) -> RouteSpec:
@@ -409,6 +503,7 @@ class _Builder:
             sticky=t.get("sticky", sticky, ()),
             max_attempts=t.get("max_attempts", integer(1), 3),
             first_token_timeout_s=t.get("first_token_timeout_s", positive, None),
+            deadline_s=t.get("deadline_s", positive, 900.0),
             prefix_chars=t.get("prefix_chars", integer(1), 256),
             load_factor=t.get("load_factor", at_least_one, 1.25))
         t.done()

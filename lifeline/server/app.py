@@ -241,13 +241,15 @@ def _tokenize_chat(state: ServerState, body: ChatCompletionRequest
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
+    """The served model as `/v1/models` shows it: its id (also its `root`: never the file or
+    directory it was loaded from, a path on the server's disk), its limits and its shape."""
     card: dict[str, Any] = {"id": state.model_id, "object": "model", "created": state.created,
                             "owned_by": "lifeline"}
     model = state.model
     if model is None:
         return card
     card.update({
-        "root": model.source, "max_model_len": model.max_model_len,
+        "root": state.model_id, "max_model_len": model.max_model_len,
         "max_model_len_limited_by": model.max_model_len_limited_by,
         "context_length": model.context_length, "architecture": model.architecture,
         "parameters": {"total": model.num_params, "active": model.num_active_params},

@@ -53,7 +53,8 @@ class ServerConfig:
     sends none: what vLLM takes from a model's generation_config.json. The OpenAI defaults
     (temperature 1) suit a small instruction model badly."""
     salt_cache_by_api_key: bool = False
-    """Mix each request's API key into its prefix-cache salt, so tenants never share blocks."""
+    """Mix a keyed digest of each request's API key into its prefix-cache salt, so tenants
+    never share blocks nor image embeddings (`lifeline.server.tenants.tenant_salt`)."""
     allowed_origins: list[str] = field(default_factory=list)
     """CORS: origins allowed to call the API from a browser (empty: CORS off; ['*']: any)."""
     allowed_methods: list[str] = field(default_factory=lambda: ["*"])
@@ -79,3 +80,9 @@ class ServerConfig:
             raise ValueError("an API key may not be empty")
         if self.admin_key == "":
             raise ValueError("the admin key may not be empty")
+        for name in ("max_images", "max_image_bytes", "max_image_pixels"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.salt_cache_by_api_key and not self.api_keys:
+            raise ValueError("salt_cache_by_api_key needs API keys (--api-key): without them "
+                             "every request is the same tenant")

@@ -38,10 +38,14 @@ class Authenticator:
     The admin paths (`is_admin_path`) answer to the admin key alone once any key is
     configured: an API key names a tenant, and those paths show every tenant's requests."""
 
-    def __init__(self, keys: list[str], protect_metrics: bool, admin_key: str | None = None):
+    def __init__(self, keys: list[str], protect_metrics: bool, admin_key: str | None = None,
+                 shared_paths: frozenset[str] = frozenset()):
         self.keys = [k.encode() for k in keys]
         self.admin_key = admin_key.encode() if admin_key else None
         self.open_paths = OPEN_PATHS if protect_metrics else OPEN_PATHS | {"/metrics"}
+        self.shared_paths = shared_paths
+        """Paths that answer to the API keys and to the admin key (`/gateway/decisions`: each
+        tenant its own requests, the admin every tenant's)."""
 
     @property
     def enabled(self) -> bool:
@@ -55,6 +59,8 @@ class Authenticator:
         if not self.keys or path in self.open_paths or is_dashboard_file(path):
             return "anonymous"
         given = (bearer_key(authorization) or "").encode()
+        if path in self.shared_paths and self.is_admin(authorization):
+            return "admin"
         matched = False
         for key in self.keys:
             matched |= hmac.compare_digest(given, key)
@@ -62,6 +68,11 @@ class Authenticator:
             raise APIError(401, "missing or invalid API key (send 'Authorization: Bearer KEY')",
                            None, "invalid_api_key")
         return given.decode()
+
+    def is_admin(self, authorization: str | None) -> bool:
+        """Whether the request carries the admin key (constant time)."""
+        given = (bearer_key(authorization) or "").encode()
+        return self.admin_key is not None and hmac.compare_digest(given, self.admin_key)
 
     def _check_admin(self, given: str | None) -> str:
         if not self.keys and self.admin_key is None:

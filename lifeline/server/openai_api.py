@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +30,7 @@ from lifeline.server.limits import INLINE_BODY_BYTES, INLINE_JSON_COMMAS
 from lifeline.server.protocol import ChatCompletionRequest, CompletionRequest
 from lifeline.server.state import ServerState, new_id
 from lifeline.server.streams import ChatStream, CompletionStream
+from lifeline.server.tenants import tenant_salt
 
 router = APIRouter()
 FAULT_HEADER = "x-lifeline-fault"
@@ -188,12 +188,12 @@ def _make_choices(job: Job) -> None:
 
 def _cache_salt(job: Job) -> str | None:
     """The request's prefix-cache salt; under `salt_cache_by_api_key` it always starts with a
-    digest of the caller's key, so no request of one tenant can share another's blocks."""
+    keyed digest of the caller's key, so no request of one tenant can share another's blocks
+    or image embeddings."""
     salt = job.body.cache_salt
     if not job.state.config.salt_cache_by_api_key:
         return salt
-    tenant = hashlib.sha256(job.key.encode()).hexdigest()
-    return f"tenant:{tenant}\n{salt or ''}"
+    return tenant_salt(job.key, salt)
 
 
 async def _respond(request: Request, job: Job, stream: ChatStream | CompletionStream) -> Any:
