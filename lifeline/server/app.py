@@ -23,7 +23,7 @@ from lifeline.server.debug import router as debug_router
 from lifeline.server.engine_client import EngineClient
 from lifeline.server.errors import APIError, bad_request, install_handlers, refused
 from lifeline.server.middleware import GatewayMiddleware
-from lifeline.server.openai_api import is_small, off_loop, parse_body, router
+from lifeline.server.openai_api import carries_images, is_small, off_loop, parse_body, router
 from lifeline.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -183,17 +183,21 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         client = state.require_client()
         body: TokenizeRequest = await parse_body(request, TokenizeRequest)
         state.check_model(body.model)
+        state.limiter.admit_request(request.state.key)  # charged as completions are
         if body.messages is not None:
             chat = ChatCompletionRequest(messages=body.messages, tools=body.tools,
                                          add_generation_prompt=body.add_generation_prompt,
                                          continue_final_message=body.continue_final_message,
                                          chat_template_kwargs=body.chat_template_kwargs)
-            ids, anatomy = await off_loop(_tokenize_chat, state, chat)
+            images = carries_images(state, chat.messages, await is_small(request))
+            ids, anatomy = await off_loop(_tokenize_chat, state, chat, images=images)
         elif client.tokenizer is None:
             raise bad_request("this model has no tokenizer", "prompt")
         else:
             ids = await off_loop(client.tokenize, body.prompt, body.add_special_tokens)
             anatomy = None
+        state.limiter.admit_tokens(request.state.key, len(ids),
+                                   "prompt" if body.messages is None else "messages")
         out = {"tokens": ids, "count": len(ids), "max_model_len": state.model.max_model_len}
         if anatomy is not None:
             out["prompt_anatomy"] = anatomy
@@ -209,6 +213,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
         state.check_model(body.model)
         if client.tokenizer is None:
             raise bad_request("this model has no tokenizer", "tokens")
+        state.limiter.admit_request(request.state.key)
+        state.limiter.admit_tokens(request.state.key, len(body.tokens), "tokens")
         if await is_small(request):
             return {"prompt": _detokenize(state, body.tokens)}
         return {"prompt": await off_loop(_detokenize, state, body.tokens)}

@@ -39,15 +39,34 @@ _PREPARING: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """Per event loop, one worker thread prepares large requests: several CPU-bound threads would
 queue for the GIL ahead of the event loop, each taking a switch interval, and stretch every
 answer."""
+_WITH_IMAGES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+IMAGE_THREADS = 8
+"""Per event loop, the worker threads that prepare requests carrying images, beside the
+preparing thread: fetching an image URL waits on another host (up to --media-fetch-timeout-s),
+which must hold neither the loop nor the thread every other large request is prepared in.
+`lifeline.media.fetch` bounds the fetches themselves (`MAX_CONCURRENT_FETCHES`)."""
 
 
-async def off_loop(fn: Callable[..., Any], *args: Any) -> Any:
-    """`fn(*args)` in the preparing thread (parsing, templating, tokenizing, detokenizing)."""
+async def off_loop(fn: Callable[..., Any], *args: Any, images: bool = False) -> Any:
+    """`fn(*args)` in the preparing thread (parsing, templating, tokenizing, detokenizing), or
+    for a request carrying `images` in one of the image threads."""
     loop = asyncio.get_running_loop()
-    limiter = _PREPARING.get(loop)
+    threads = _WITH_IMAGES if images else _PREPARING
+    limiter = threads.get(loop)
     if limiter is None:
-        limiter = _PREPARING[loop] = CapacityLimiter(1)
+        limiter = threads[loop] = CapacityLimiter(IMAGE_THREADS if images else 1)
     return await anyio.to_thread.run_sync(fn, *args, limiter=limiter)
+
+
+def carries_images(state: ServerState, messages: list[Any], small: bool) -> bool:
+    """Whether a chat's messages may hold images for the served model to fetch, decode and
+    preprocess (a large body is not scanned on the loop: it may)."""
+    if getattr(state.chat, "preparer", None) is None:
+        return False
+    return not small or any(
+        isinstance(m.content, list)
+        and any(isinstance(p, dict) and p.get("type") == "image_url" for p in m.content)
+        for m in messages)
 
 
 @router.post("/v1/chat/completions")
@@ -98,21 +117,24 @@ async def _prepare(request: Request, model: type[BaseModel], endpoint: str) -> J
     state.limiter.admit_request(request.state.key)
     job = Job(state, stamps, request.state.key, endpoint, body,
               new_id("chatcmpl" if model is ChatCompletionRequest else "cmpl"))
-    offload = not await is_small(request) or (job.is_chat and body.chat_template is not None)
-    await _off_loop(_encode, offload, state, job)
+    small = await is_small(request)
+    images = job.is_chat and carries_images(state, body.messages, small)
+    offload = images or not small or (job.is_chat and body.chat_template is not None)
+    await _off_loop(_encode, offload, state, job, images=images)
     state.limiter.admit_tokens(job.key, job.prompt_tokens * body.n,
                                "messages" if job.is_chat else "prompt")
     _make_choices(job)
     return job
 
 
-async def _off_loop(fn: Callable[..., Any], offload: bool, *args: Any) -> Any:
+async def _off_loop(fn: Callable[..., Any], offload: bool, *args: Any,
+                   images: bool = False) -> Any:
     """`fn(*args)` in a worker thread when `offload`, else here (its cost is then bounded by
     `INLINE_BODY_BYTES`); a ValueError or TypeError it raises (the template's, the
     tokenizer's, ours) is the request's fault: a 400."""
     try:
         if offload:
-            return await off_loop(fn, *args)
+            return await off_loop(fn, *args, images=images)
         return fn(*args)
     except APIError:
         raise
