@@ -172,8 +172,9 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         "they answer 403; docs/serve.md)")
     p.add_argument("--rate-limit-rpm", type=int, default=None, help="requests per minute per key")
     p.add_argument("--rate-limit-tpm", type=int, default=None, help="tokens per minute per key")
-    p.add_argument("--max-queued-requests", type=int, default=None,
-                   help="refuse new requests (503) while this many wait for the engine")
+    p.add_argument("--max-queued-requests", type=int, default=512,
+                   help="refuse new requests (503) while this many wait for the engine "
+                        "(default 512)")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM")
     p.add_argument("--otlp-endpoint", default=None, help="export OpenTelemetry spans here")
@@ -199,6 +200,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-image-pixels", type=int, default=33_177_600,
                    help="a vision model: one image's width x height, read from its header "
                         "before it is decoded (default 33177600, 8K UHD)")
+    p.add_argument("--max-queued-image-bytes", type=parse_bytes, default=1 << 30,
+                   help="a vision model: bytes of images (decoded, preprocessed, encoded) "
+                        "of requests not yet through the vision tower; over it 503 "
+                        "(default 1GiB)")
     p.add_argument("--allowed-origins", nargs="*", default=[],
                    help="CORS origins allowed (default: CORS off; '*' for any)")
     p.add_argument("--allowed-methods", nargs="*", default=["*"], help="CORS methods")
@@ -477,7 +482,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
         enable_fault_injection=args.enable_fault_injection,
         allowed_media_domains=args.allowed_media_domains, max_images=args.max_images,
         max_image_bytes=args.max_image_bytes, max_image_pixels=args.max_image_pixels,
-        engine=engine)
+        max_queued_image_bytes=args.max_queued_image_bytes, engine=engine)
 
 
 def _json_object(text: str) -> dict:

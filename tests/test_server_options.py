@@ -69,7 +69,8 @@ def test_every_server_option_is_placed_at_the_gateway_or_its_backends_or_refused
               "max_queued_requests": "7", "request_timeout": "9", "default_max_tokens": "11",
               "max_n": "3", "sampling_defaults": "{ temperature = 0.5 }",
               "allowed_media_domains": '["images.example.com"]', "media_fetch_timeout_s": "4",
-              "max_images": "2", "max_image_bytes": '"1MiB"', "max_image_pixels": "4096"}
+              "max_images": "2", "max_image_bytes": '"1MiB"', "max_image_pixels": "4096",
+              "max_queued_image_bytes": '"64MiB"'}
     assert set(values) == set(BACKEND_OPTIONS)
     text = "[server]\nmax_body_bytes = \"1MiB\"\n[backends.l]\n[backends.l.server]\n" + \
         "".join(f"{k} = {v}\n" for k, v in values.items()) + '[models.m]\nbackends = ["l"]\n'
@@ -86,7 +87,8 @@ def test_every_server_option_is_placed_at_the_gateway_or_its_backends_or_refused
         "serve", "--ray", "--model", "m.gguf", "--api-key", "k", "--admin-key", "boss",
         "--protect-metrics", "--rate-limit-rpm", "5", "--salt-cache-by-api-key",
         "--shutdown-timeout", "3", "--max-images", "2", "--max-image-bytes", "1MiB",
-        "--max-image-pixels", "4096", "--allowed-media-domains", "images.example.com",
+        "--max-image-pixels", "4096", "--max-queued-image-bytes", "64MiB",
+        "--allowed-media-domains", "images.example.com",
         "--sampling-defaults", '{"temperature": 0.5}', "--default-max-tokens", "11",
         "--request-timeout", "9", "--max-queued-requests", "7", "--reasoning-parser", "think",
         "--tool-call-parser", "hermes", "--chat-template", "t.jinja",

@@ -183,7 +183,10 @@ class LLMEngine:
         self.eos_token_ids = frozenset(getattr(self.tokenizer, "eos_token_ids", ()) or ())
         self.requests: dict[str, Request] = {}
         self._outputs: dict[str, _OutputState] = {}
-        self._deadlines: list[tuple[float, int, Request]] = []
+        self._deadlines: list[tuple[float, int, str]] = []
+        """(deadline, arrival order, request id) of the requests given a deadline: ids, not
+        requests, since an entry outlives its request until the deadline passes, and a finished
+        request must leave nothing of it (its images' frames and rows) referenced."""
         self._counter = itertools.count()
         self.step_errors = StepErrors()
         self.clock = time.perf_counter
@@ -274,7 +277,7 @@ class LLMEngine:
         req.timeline.queued = self.clock()
         self.requests[request_id] = req
         if deadline is not None:
-            heapq.heappush(self._deadlines, (deadline, order, req))
+            heapq.heappush(self._deadlines, (deadline, order, request_id))
         self._outputs[request_id] = _OutputState(self._detokenizer(params), StopChecker(
             params.stop, params.include_stop_str_in_output))
         if req.want_prompt_logits:
@@ -451,6 +454,9 @@ class LLMEngine:
         self.recorder.forget(req)
         self.requests.pop(req.request_id, None)
         self._outputs.pop(req.request_id, None)
+        if len(self._deadlines) > 2 * len(self.requests) + 64:  # entries of ended requests
+            self._deadlines = [e for e in self._deadlines if e[2] in self.requests]
+            heapq.heapify(self._deadlines)
 
     def _end(self, req: Request, error: RequestError | None, now: float,
              reason: FinishReason = FinishReason.ABORT) -> RequestOutput:
@@ -470,8 +476,9 @@ class LLMEngine:
     def _expire(self, now: float) -> list[RequestOutput]:
         ended = []
         while self._deadlines and self._deadlines[0][0] <= now:
-            req = heapq.heappop(self._deadlines)[2]
-            if req.is_finished:
+            _, order, request_id = heapq.heappop(self._deadlines)
+            req = self.requests.get(request_id)
+            if req is None or req.arrival_order != order or req.is_finished:
                 continue
             if req.num_output_tokens:
                 req.stop_reason = "timeout"

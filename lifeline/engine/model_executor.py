@@ -82,28 +82,42 @@ class ModelExecutor:
             prompt_logprobs, prompt_logits, moe)
 
     def _image_embeds(self, inputs: StepInputs) -> torch.Tensor:
-        """The rows of each image this step needs, from the encoder cache or encoded now (the
-        whole image: a later chunk finds the rest in the cache)."""
+        """The rows of each image this step needs: the image's own once encoded, else from
+        the encoder cache or encoded now (the whole image). Either way the image keeps its rows
+        and drops its frames (`ImageSpan.encoded`): a later chunk, a recomputation after
+        preemption and the other choices of its request need no frames."""
         if self.vision is None:
             raise ValueError("this model has no vision tower: it cannot take images")
         parts = []
         for req, img, rows, _ in inputs.images:
-            key = req.image_key(img)
-            embeds = self.encoder_cache.get(key)
+            embeds = img.embeds if img.encoder is self.encoder_cache else None
             if embeds is None:
-                pixels = torch.as_tensor(img.pixels)
-                embeds, encode_s, project_s = self.vision.encode_stages(
-                    pixels.to(self.runner.device, self.dtype))
-                if embeds.shape[0] != img.num_embeds:
-                    raise ValueError(f"an image's tower gives {embeds.shape[0]} rows for its "
-                                     f"{img.num_embeds} tokens")
-                self.encoder_cache.put(key, embeds)
-                img.timings["encode_s"] = img.timings.get("encode_s", 0.0) + encode_s
-                img.timings["project_s"] = img.timings.get("project_s", 0.0) + project_s
-            else:
-                img.timings.setdefault("encoder_cache_hit", 1.0)
+                embeds = self._embeds_of(req, img)
+                img.encoded(embeds, self.encoder_cache)
             parts.append(embeds[torch.tensor(rows, dtype=torch.long, device=embeds.device)])
         return torch.cat(parts)
+
+    def _embeds_of(self, req: Any, img: Any) -> torch.Tensor:
+        """One image's rows from the encoder cache, or from its frames through the tower."""
+        key = req.image_key(img)
+        embeds = self.encoder_cache.get(key)
+        if embeds is not None:
+            img.timings.setdefault("encoder_cache_hit", 1.0)
+            return embeds
+        if img.pixels is None:
+            raise ValueError("an image's frames were freed once another engine encoded them: "
+                             "prepare the image again for this one")
+        pixels = torch.as_tensor(img.pixels)
+        embeds, encode_s, project_s = self.vision.encode_stages(
+            pixels.to(self.runner.device, self.dtype))
+        del pixels
+        if embeds.shape[0] != img.num_embeds:
+            raise ValueError(f"an image's tower gives {embeds.shape[0]} rows for its "
+                             f"{img.num_embeds} tokens")
+        self.encoder_cache.put(key, embeds)
+        img.timings["encode_s"] = img.timings.get("encode_s", 0.0) + encode_s
+        img.timings["project_s"] = img.timings.get("project_s", 0.0) + project_s
+        return embeds
 
     def _prompt_outputs(self, inputs: StepInputs, logits: torch.Tensor
                         ) -> tuple[MappingProxyType[str, tuple[tuple[int, TokenLogprobs], ...]],
@@ -137,7 +151,9 @@ class ModelExecutor:
 class EncoderCache:
     """Image embeddings by the image's key (`Request.image_key`: its hash, salted as the
     request's prefix cache is), least recently used first out past `max_bytes`: the same image
-    in another request, or in the next turn, is not encoded again."""
+    in another request, or in the next turn, is not encoded again. It holds embeddings only,
+    never frames; a request's own images keep their rows while it lives (`ImageSpan.embeds`),
+    so an eviction never needs the frames again."""
 
     def __init__(self, max_bytes: int):
         from collections import OrderedDict

@@ -51,7 +51,7 @@ BACKEND_OPTIONS: dict[str, Callable[[Any], Any]] = {
     "default_max_tokens": integer(1), "max_n": integer(1),
     "sampling_defaults": _sampling_defaults, "allowed_media_domains": names,
     "media_fetch_timeout_s": positive, "max_images": integer(1), "max_image_bytes": size,
-    "max_image_pixels": integer(1)}
+    "max_image_pixels": integer(1), "max_queued_image_bytes": size}
 """The `ServerConfig` options a local or Ray backend's engine server takes from its `server`
 table (`lifeline serve --ray` gives its flags of these to every replica); each applies to the
 requests that backend serves."""

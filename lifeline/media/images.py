@@ -15,6 +15,7 @@ import hashlib
 import io
 import re
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from PIL import Image, UnidentifiedImageError
@@ -84,9 +85,17 @@ def parse_data_url(url: str, *, param: str = "messages") -> tuple[str | None, by
     return MIME.get(mime), data
 
 
+DECODED_BYTES_PER_PIXEL = 8
+"""What decoding holds a pixel in, at most: Pillow's 4-byte pixel of the file's own image and
+of its RGB conversion, both alive while it converts."""
+
+
 def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), *,
-                 declared: str | None = None, param: str = "messages") -> DecodedImage:
-    """The RGB image in `data`, or a MediaError."""
+                 declared: str | None = None, param: str = "messages",
+                 reserve: Callable[[int], None] | None = None) -> DecodedImage:
+    """The RGB image in `data`, or a MediaError. `reserve(nbytes)` is told the memory decoding
+    will take, read from the header, before any pixel is decoded (the server's image budget,
+    which may refuse)."""
     if len(data) > limits.max_bytes:
         raise MediaError(f"an image is {len(data):,} bytes; the limit is "
                          f"{limits.max_bytes:,}", param=param, code="image_too_large")
@@ -105,6 +114,8 @@ def decode_image(data: bytes, limits: ImageLimits = ImageLimits(), *,
                     f"{limits.max_pixels:,} pixels and {limits.max_side:,} a side",
                     param=param, code="image_too_large")
             fmt, mode = im.format or "?", im.mode
+            if reserve is not None:
+                reserve(width * height * DECODED_BYTES_PER_PIXEL)
             im.load()
             rgb = to_rgb(im)
     except MediaError:

@@ -14,17 +14,31 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(slots=True, eq=False)
 class ImageSpan:
     hash: str
     """The image's pixel hash (lifeline.media.images.pixel_hash)."""
     positions: tuple[int, ...]
     """The prompt positions its embedding rows go to, in order (the image tokens)."""
     pixels: Any = None
-    """The processed frames (numpy [frames, 3, side, side]); dropped once encoded."""
+    """The processed frames (numpy [frames, 3, side, side]) until the vision tower has
+    encoded them: then dropped (`encoded`), which frees them (and their charge on the
+    server's image budget)."""
     frames: int = 1
     timings: dict[str, float] = field(default_factory=dict)
     """Seconds spent before the engine: fetch, decode, preprocess."""
+    embeds: Any = None
+    """The tower's rows of this image once encoded (a tensor where the model runs), kept
+    while a request holds the span: a later chunk after an encoder-cache eviction, a
+    preempted request's recomputation or the other choices of `n` need no frames. A few
+    times smaller than the frames; freed with the request."""
+    encoder: Any = None
+    """The encoder cache of the engine whose tower made `embeds` (another engine's model
+    gives other rows)."""
+
+    def encoded(self, embeds: Any, encoder: Any) -> None:
+        """The tower has run: keep its rows, drop the frames."""
+        self.embeds, self.encoder, self.pixels = embeds, encoder, None
 
     @property
     def offset(self) -> int:

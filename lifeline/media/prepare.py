@@ -3,6 +3,7 @@ processor (timed), its placeholder put where the prompt marks it, and its `Image
 (positions, pixels, hash) found in the tokenized prompt."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,10 +16,18 @@ from lifeline.model.config import VisionSpec
 
 @dataclass(frozen=True, slots=True)
 class PreparedImage:
-    decoded: DecodedImage
-    processed: ProcessedImage
+    """An image ready for the prompt. It keeps no decoded picture: that is freed once
+    preprocessed."""
+    hash: str
+    """The decoded picture's pixel hash (lifeline.media.images.pixel_hash)."""
+    processed: ProcessedImage | None
+    """The frames; None once handed over to the engine's `ImageSpan` (`without_frames`)."""
     placeholder: str
     timings: dict[str, float]
+
+    def without_frames(self) -> PreparedImage:
+        """This image once its spans carry its frames: what the prompt still needs of it."""
+        return dataclasses.replace(self, processed=None)
 
 
 class ImagePreparer:
@@ -49,7 +58,7 @@ class ImagePreparer:
             text = self.processor.placeholder(processed.rows, processed.cols)
         else:
             text = self.processor.placeholder(processed.crops)
-        return PreparedImage(decoded, processed, text, timings)
+        return PreparedImage(decoded.hash, processed, text, timings)
 
     def expand_text(self, text: str, images: Sequence[PreparedImage]) -> str:
         """Each marker in `text`, in order, replaced by its image's placeholder."""
@@ -75,5 +84,5 @@ class ImagePreparer:
               ) -> list[ImageSpan]:
         counts = [i.processed.frames * self.spec.tokens_per_image for i in images]
         where = locate(token_ids, self.spec.image_token_id, counts)
-        return [ImageSpan(i.decoded.hash, pos, i.processed.pixel_values, i.processed.frames,
+        return [ImageSpan(i.hash, pos, i.processed.pixel_values, i.processed.frames,
                           dict(i.timings)) for i, pos in zip(images, where)]

@@ -111,8 +111,10 @@ class ChatFrontend:
             from lifeline.media.prepare import ImagePreparer
 
             from lifeline.media.fetch import FetchPolicy
+            from lifeline.server.image_budget import ImageBudget
 
             self.preparer = ImagePreparer(model.vision)
+            self.image_budget = ImageBudget(config.max_queued_image_bytes)
             self.fetch_policy = FetchPolicy(tuple(config.allowed_media_domains),
                                             config.max_image_bytes, config.media_fetch_timeout_s)
         self.template = resolve_template(
@@ -145,7 +147,8 @@ class ChatFrontend:
         text = template.render_inputs(inputs)
         if not urls:
             return RenderedPrompt(text, template, inputs)
-        images = [self._image(field_name, url) for field_name, url in
+        charge = self.image_budget.request()
+        images = [self._image(field_name, url, charge) for field_name, url in
                   _at_most(urls, self.config.max_images)]
         try:
             text = self.preparer.expand_text(text, images)
@@ -153,8 +156,10 @@ class ChatFrontend:
             raise ChatError(f"the chat template placed the images wrongly: {exc}") from None
         return RenderedPrompt(text, template, inputs, images)
 
-    def _image(self, field_name: str, url: str) -> Any:
-        """Decoded and processed under the server's limits, each stage timed."""
+    def _image(self, field_name: str, url: str, charge: Any) -> Any:
+        """Decoded and processed under the server's limits, each stage timed; the decoded
+        picture is charged to `charge` (lifeline.server.image_budget.RequestImages) while it is
+        processed, then freed; the frames and the encoded bytes until the frames are freed."""
         from lifeline.media.fetch import fetch_image
         from lifeline.media.images import ImageLimits, MediaError, decode_image, parse_data_url
 
@@ -171,17 +176,25 @@ class ChatFrontend:
             raise MediaError(f"image URLs with scheme {scheme!r} are not fetched: send a "
                              "data: URL (data:image/png;base64,...)", param=field_name,
                              code="unsupported_image_url")
-        decoded = decode_image(data, ImageLimits(max_bytes=self.config.max_image_bytes,
-                                                 max_pixels=self.config.max_image_pixels),
-                               declared=declared, param=field_name)
-        timings["decode_s"] = time.perf_counter() - t0
-        return self.preparer.prepare(decoded, timings)
+        limits = ImageLimits(max_bytes=self.config.max_image_bytes,
+                             max_pixels=self.config.max_image_pixels)
+        with charge.reserving() as reserve:
+            decoded = decode_image(data, limits, declared=declared, param=field_name,
+                                   reserve=reserve)
+            timings["decode_s"] = time.perf_counter() - t0
+            prepared = self.preparer.prepare(decoded, timings)
+            del decoded
+        frames = prepared.processed.pixel_values
+        charge.tie(frames, frames.nbytes + len(data))
+        return prepared
 
     def spans(self, prompt: RenderedPrompt, ids: list[int]) -> tuple[Any, ...]:
         """The prompt's images where its tokens put them (empty for a text prompt)."""
         if not prompt.images:
             return ()
-        return tuple(self.preparer.spans(ids, prompt.images))
+        spans = tuple(self.preparer.spans(ids, prompt.images))
+        prompt.images = [i.without_frames() for i in prompt.images]  # the spans own them now
+        return spans
 
     def encode(self, prompt: RenderedPrompt) -> list[int]:
         if self.tokenizer is None:

@@ -25,8 +25,9 @@ class ServerConfig:
     protect_metrics: bool = False
     rate_limit_rpm: int | None = None
     rate_limit_tpm: int | None = None
-    max_queued_requests: int | None = None
-    """Admitted requests still waiting for their first token; beyond it new ones get 503."""
+    max_queued_requests: int | None = 512
+    """Admitted requests still waiting for their first token; beyond it new ones get 503
+    (None: no limit). Each holds its body (up to `max_body_bytes`) while it waits."""
     shutdown_timeout: float = 30.0
     otlp_endpoint: str | None = None
     max_body_bytes: int = 8 << 20
@@ -36,6 +37,11 @@ class ServerConfig:
     """One image's encoded bytes (after base64); the body's own cap bounds them all."""
     max_image_pixels: int = 33_177_600
     """One image's width × height, read from its header before it is decoded (8K UHD)."""
+    max_queued_image_bytes: int = 1 << 30
+    """Bytes of images held by admitted requests before the vision tower has encoded them:
+    decoded pictures while they are preprocessed, then frames and encoded bytes
+    (lifeline.server.image_budget). Over it a request gets 503 with Retry-After; one whose
+    own images exceed it, 400."""
     allowed_media_domains: list[str] = field(default_factory=list)
     """Domains whose http(s) image URLs are fetched (and their subdomains), public addresses
     only (lifeline.media.fetch); empty: image URLs must be data: URLs."""
@@ -80,7 +86,8 @@ class ServerConfig:
             raise ValueError("an API key may not be empty")
         if self.admin_key == "":
             raise ValueError("the admin key may not be empty")
-        for name in ("max_images", "max_image_bytes", "max_image_pixels"):
+        for name in ("max_images", "max_image_bytes", "max_image_pixels",
+                     "max_queued_image_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
         if self.salt_cache_by_api_key and not self.api_keys:
