@@ -94,7 +94,8 @@ def prompt_anatomy(template: ChatTemplate, tokenizer: Tokenizer, messages: Any, 
     inputs = ChatInputs.from_request(
         messages, tools=tools, tool_choice=tool_choice,
         add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs)
+        continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs,
+        content_parts=template.reads_parts)
     return anatomy_of_inputs(template, tokenizer, inputs, prompt_ids)
 
 
@@ -174,7 +175,10 @@ def _mark(inputs: ChatInputs) -> _Marked:
         owner = SYSTEM if role == "system" else LATEST_USER if i == last_user else HISTORY
         message = dict(message)
         for key in ("content", "reasoning_content"):
-            if key in message:
+            if isinstance(message.get(key), list):
+                message[key] = [{**part, "text": sentinel(part["text"], owner)}
+                                if part.get("type") == "text" else part for part in message[key]]
+            elif key in message:
                 message[key] = sentinel(message[key], owner)
         calls = []
         for call in message.get("tool_calls", []):

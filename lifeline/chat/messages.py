@@ -1,40 +1,70 @@
 """OpenAI-style chat inputs checked and reduced to the plain data chat templates expect.
 
 - Roles: system, developer (rendered as system), user, assistant, tool.
-- Content: a string, or a list of `{"type": "text", "text": ...}` parts joined with "\\n" (as vLLM
-  does); for a model that takes images, `image_url` parts too (the content then stays a list
-  of text and `{"type": "image"}` parts, as vision templates read it); other part types are
-  refused. `null` content is allowed only for an assistant
-  message that carries `tool_calls`.
+- Content: a string, or a list of `{"type": "text", "text": ...}` parts; for a model that takes
+  images, `image_url` parts too (each becomes a `{"type": "image"}` part, as vision templates
+  read it); other part types are refused. A list reaches the template as the template reads
+  content (`reads_content_parts`): a template that loops over a message's parts gets the list,
+  as transformers hands it over; one that prints content whole gets the text parts joined with
+  "\\n" (vLLM's 'openai' and 'string' content formats). A list with images stays a list.
+  `null` content is allowed only for an assistant message that carries `tool_calls`.
 - An assistant's `tool_calls[].function.arguments` arrive as a JSON string (OpenAI) and are
   handed to the template as a dict (Hugging Face templates call `tojson` on them).
 - A message's reasoning, sent as `reasoning_content` or `reasoning`, is passed as
   `reasoning_content`."""
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Mapping
 from typing import Any
 
+from jinja2 import nodes
+
 from lifeline.chat.errors import ChatError
+from lifeline.chat.sandbox import compile_template
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 RESERVED_KWARGS = frozenset({"messages", "tools", "tool_choice", "add_generation_prompt",
                              "bos_token", "eos_token", "documents"})
 
 
-def normalize_messages(messages: Any, images: list[tuple[str, str]] | None = None
-                       ) -> list[dict[str, Any]]:
+def normalize_messages(messages: Any, images: list[tuple[str, str]] | None = None, *,
+                       parts: bool = False) -> list[dict[str, Any]]:
     """`images`: a list to collect the `image_url` parts' (field, url) into, for a model that
     takes images; their place in a message becomes a `{"type": "image"}` part, as Hugging
-    Face's vision templates read it. None: image parts are refused."""
+    Face's vision templates read it. None: image parts are refused. `parts`: the template
+    loops over content parts (`reads_content_parts`), so a list of text parts stays a list."""
     if not isinstance(messages, list) or not messages:
         raise ChatError("'messages' must be a non-empty list")
-    return [_message(i, m, images) for i, m in enumerate(messages)]
+    return [_message(i, m, images, parts) for i, m in enumerate(messages)]
 
 
-def _message(i: int, message: Any, images: list[tuple[str, str]] | None = None
-             ) -> dict[str, Any]:
+@functools.lru_cache(maxsize=64)
+def reads_content_parts(source: str) -> bool:
+    """Whether a chat template loops over a message's content (`{% for part in
+    message['content'] %}`, directly or through a variable set from it), as SmolVLM's and
+    most vision templates do. Such a template shows nothing of a content given as a list of
+    parts and then joined into a string, so it must get the list."""
+    tree = compile_template(source).environment.parse(source)
+    names = {node.target.name for node in tree.find_all(nodes.Assign)
+             if isinstance(node.target, nodes.Name) and _is_content(node.node, set())}
+    return any(_is_content(node.iter, names) for node in tree.find_all(nodes.For))
+
+
+def _is_content(expr: nodes.Node, names: set[str]) -> bool:
+    """`x.content`, `x['content']` or a name set from one, under any filters."""
+    while isinstance(expr, nodes.Filter) and expr.node is not None:
+        expr = expr.node
+    if isinstance(expr, nodes.Getattr):
+        return expr.attr == "content"
+    if isinstance(expr, nodes.Getitem):
+        return isinstance(expr.arg, nodes.Const) and expr.arg.value == "content"
+    return isinstance(expr, nodes.Name) and expr.name in names
+
+
+def _message(i: int, message: Any, images: list[tuple[str, str]] | None = None,
+             parts: bool = False) -> dict[str, Any]:
     where = f"messages[{i}]"
     if not isinstance(message, Mapping):
         raise ChatError(f"{where} must be an object")
@@ -45,7 +75,7 @@ def _message(i: int, message: Any, images: list[tuple[str, str]] | None = None
     content = message.get("content")
     tool_calls = message.get("tool_calls") if role == "assistant" else None
     if content is not None:
-        out["content"] = _content(where, content, images)
+        out["content"] = _content(where, content, images, parts)
     elif not tool_calls:
         raise ChatError(f"{where}.content is required for a {role} message")
     if tool_calls:
@@ -59,10 +89,10 @@ def _message(i: int, message: Any, images: list[tuple[str, str]] | None = None
     return out
 
 
-def _content(where: str, content: Any, images: list[tuple[str, str]] | None = None
-             ) -> str | list[dict[str, str]]:
-    """A string; a list of text and image parts where the content has images (the text
-    parts' strings otherwise joined with newlines)."""
+def _content(where: str, content: Any, images: list[tuple[str, str]] | None = None,
+             keep_parts: bool = False) -> str | list[dict[str, str]]:
+    """A string; a list of text and image parts where the content has images or the template
+    reads parts (the text parts' strings otherwise joined with newlines)."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -74,8 +104,8 @@ def _content(where: str, content: Any, images: list[tuple[str, str]] | None = No
         if kind == "image_url" and images is not None:
             url = part.get("image_url")
             url = url.get("url") if isinstance(url, Mapping) else url
-            where = f"{at}.image_url.url"
-            images.append((where, _string(where, url, param=where)))
+            field = f"{at}.image_url.url"
+            images.append((field, _string(field, url, param=field)))
             parts.append({"type": "image"})
         elif kind == "image_url":
             raise ChatError(f"{at}: this model takes no images (part type 'image_url')")
@@ -84,7 +114,7 @@ def _content(where: str, content: Any, images: list[tuple[str, str]] | None = No
                             f"{' and image_url' if images is not None else ''})")
         else:
             parts.append({"type": "text", "text": _string(f"{at}.text", part.get("text"))})
-    if any(p["type"] == "image" for p in parts):
+    if keep_parts or any(p["type"] == "image" for p in parts):
         return parts
     return "\n".join(p["text"] for p in parts)
 

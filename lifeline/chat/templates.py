@@ -22,6 +22,7 @@ from lifeline.chat.messages import (
     check_tool_choice,
     normalize_messages,
     normalize_tools,
+    reads_content_parts,
 )
 from lifeline.chat.sandbox import compile_template, render_bounded
 
@@ -49,9 +50,11 @@ class ChatInputs:
     def from_request(cls, messages: Any, *, tools: Any = None, tool_choice: Any = None,
                      add_generation_prompt: bool = True, continue_final_message: bool = False,
                      chat_template_kwargs: Any = None,
-                     images: list[tuple[str, str]] | None = None) -> ChatInputs:
-        """`images`: where a model that takes images collects the image parts' URLs."""
-        messages = normalize_messages(messages, images)
+                     images: list[tuple[str, str]] | None = None,
+                     content_parts: bool = False) -> ChatInputs:
+        """`images`: where a model that takes images collects the image parts' URLs.
+        `content_parts`: the template reads content as parts (`ChatTemplate.reads_parts`)."""
+        messages = normalize_messages(messages, images, parts=content_parts)
         tools = normalize_tools(tools)
         check_tool_choice(tool_choice, tools)
         if continue_final_message:
@@ -86,6 +89,13 @@ class ChatTemplate:
         if self.tool_use_source is not None:
             compile_template(self.tool_use_source)
 
+    @property
+    def reads_parts(self) -> bool:
+        """The template loops over a message's content parts, so a list of parts reaches it
+        as a list (lifeline.chat.messages)."""
+        return reads_content_parts(self.source) or (
+            self.tool_use_source is not None and reads_content_parts(self.tool_use_source))
+
     def render(self, messages: Any, *, tools: Any = None, tool_choice: Any = None,
                add_generation_prompt: bool = True, continue_final_message: bool = False,
                chat_template_kwargs: Any = None, bos_token: str | None = None,
@@ -96,7 +106,7 @@ class ChatTemplate:
             messages, tools=tools, tool_choice=tool_choice,
             add_generation_prompt=add_generation_prompt,
             continue_final_message=continue_final_message,
-            chat_template_kwargs=chat_template_kwargs)
+            chat_template_kwargs=chat_template_kwargs, content_parts=self.reads_parts)
         return self.render_inputs(inputs, bos_token=bos_token, eos_token=eos_token)
 
     def escaped(self, inputs: ChatInputs) -> ChatInputs:
@@ -114,7 +124,10 @@ class ChatTemplate:
         inputs = self.escaped(inputs)
         messages = inputs.messages
         if inputs.continue_final_message:
-            last = dict(messages[-1], content=messages[-1]["content"] + _CONTINUE_MARK)
+            content = messages[-1]["content"]
+            content = (content + _CONTINUE_MARK if isinstance(content, str)
+                       else [*content, {"type": "text", "text": _CONTINUE_MARK}])
+            last = dict(messages[-1], content=content)
             messages = [*messages[:-1], last]
         source = self.source
         if inputs.tools and self.tool_use_source is not None:

@@ -12,6 +12,12 @@ pixel values are the same (tests/test_media.py compares them).
   global image); each tile is one sequence of `image_seq_len` tokens.
 - Gemma 3: the whole image to side × side (896); with pan and scan, an elongated image also
   gives 2–`max_crops` crops along its long side, each its own 896 × 896 frame.
+
+Settings are a checkpoint's image-processor dictionary (`image_processor` in
+processor_config.json, or preprocessor_config.json: lifeline.model.config reads either). A null
+value takes the family's default, as in transformers; a key Lifeline does not know, or a value it
+cannot follow (`do_resize: false`, a non-square Gemma 3 size), raises `ValueError` rather than
+being ignored, since an image processed other than the checkpoint says gives other answers.
 """
 from __future__ import annotations
 
@@ -63,6 +69,80 @@ def _normalize(frames: list[np.ndarray], scale: float, mean: np.ndarray,
     return np.stack(out).astype(np.float32, copy=False)
 
 
+_COMMON_KEYS = frozenset({"do_convert_rgb", "do_resize", "size", "resample", "do_rescale",
+                          "rescale_factor", "do_normalize", "image_mean", "image_std"})
+_INERT_KEYS = frozenset({"image_processor_type", "processor_class", "image_seq_len",
+                         "image_seq_length", "do_pad", "return_row_col_info",
+                         "default_to_square", "video_sampling"})
+"""Keys that change nothing in one image's pixels: names, the processor's own token count
+(checked against the model where the config is read), padding to a batch's largest image
+(each image here is processed alone) and SmolVLM's video settings."""
+IDEFICS3_KEYS = _COMMON_KEYS | {"do_image_splitting", "max_image_size"}
+GEMMA3_KEYS = _COMMON_KEYS | {"do_pan_and_scan", "pan_and_scan_min_crop_size",
+                              "pan_and_scan_max_num_crops", "pan_and_scan_min_ratio_to_activate"}
+
+
+def _given(config: dict[str, Any], known: frozenset[str], family: str) -> dict[str, Any]:
+    """The settings without nulls; unknown keys and switches Lifeline cannot turn off are
+    refused."""
+    given = {k: v for k, v in config.items() if v is not None}
+    unknown = sorted(set(given) - known - _INERT_KEYS)
+    if unknown:
+        raise ValueError(f"{family} image processor settings Lifeline does not understand: "
+                         f"{', '.join(unknown)}")
+    for key in ("do_convert_rgb", "do_resize"):
+        if _flag(given, key, True) is False:
+            raise ValueError(f"{family} image processor setting {key}: false is not supported")
+    return given
+
+
+def _flag(given: dict[str, Any], key: str, default: bool) -> bool:
+    value = given.get(key, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"image processor setting {key} must be true or false; got {value!r}")
+    return value
+
+
+def _edge(given: dict[str, Any], key: str, default: int) -> int:
+    """`{"longest_edge": n}` (Idefics3's `size` and `max_image_size`)."""
+    value = given.get(key, {"longest_edge": default})
+    edge = value.get("longest_edge") if isinstance(value, dict) else None
+    if not isinstance(edge, int) or isinstance(edge, bool) or edge <= 0 or len(value) != 1:
+        raise ValueError(f"image processor setting {key} must be {{\"longest_edge\": n}}; "
+                         f"got {value!r}")
+    return edge
+
+
+def _resample(given: dict[str, Any], default: int) -> int:
+    value = given.get("resample", default)
+    if not isinstance(value, int) or isinstance(value, bool) or value not in range(6):
+        raise ValueError(f"image processor setting resample must be a Pillow filter (0–5); "
+                         f"got {value!r}")
+    return value
+
+
+def _scaling(given: dict[str, Any]) -> dict[str, Any]:
+    """Rescale factor, mean and std; `do_rescale` / `do_normalize` false as their identity."""
+    factor = given.get("rescale_factor", 1 / 255) if _flag(given, "do_rescale", True) else 1.0
+    if not isinstance(factor, (int, float)) or isinstance(factor, bool):
+        raise ValueError(f"image processor setting rescale_factor must be a number; "
+                         f"got {factor!r}")
+    if not _flag(given, "do_normalize", True):
+        return {"rescale_factor": float(factor), "mean": (0.0,) * 3, "std": (1.0,) * 3}
+    return {"rescale_factor": float(factor), "mean": _channels(given, "image_mean"),
+            "std": _channels(given, "image_std")}
+
+
+def _channels(given: dict[str, Any], key: str) -> tuple[float, ...]:
+    value = given.get(key, 0.5)
+    values = [value] * 3 if isinstance(value, (int, float)) else value
+    if (not isinstance(values, list | tuple) or len(values) != 3
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values)):
+        raise ValueError(f"image processor setting {key} must be a number or three; "
+                         f"got {value!r}")
+    return tuple(float(v) for v in values)
+
+
 @dataclass(frozen=True)
 class Idefics3Processor:
     longest_edge: int = 4 * 364
@@ -78,15 +158,12 @@ class Idefics3Processor:
 
     @classmethod
     def from_config(cls, config: dict[str, Any], *, image_seq_len: int) -> Idefics3Processor:
-        """From a checkpoint's preprocessor_config.json."""
-        return cls(longest_edge=int(config.get("size", {}).get("longest_edge", 4 * 364)),
-                   side=int(config.get("max_image_size", {}).get("longest_edge", 364)),
-                   image_seq_len=image_seq_len,
-                   split=bool(config.get("do_image_splitting", True)),
-                   resample=int(config.get("resample", LANCZOS)),
-                   mean=tuple(config.get("image_mean", (0.5,) * 3)),
-                   std=tuple(config.get("image_std", (0.5,) * 3)),
-                   rescale_factor=float(config.get("rescale_factor", 1 / 255)))
+        """From a checkpoint's image-processor settings (see the module's note)."""
+        given = _given(config, IDEFICS3_KEYS, "Idefics3")
+        return cls(longest_edge=_edge(given, "size", 4 * 364),
+                   side=_edge(given, "max_image_size", 364), image_seq_len=image_seq_len,
+                   split=_flag(given, "do_image_splitting", True),
+                   resample=_resample(given, LANCZOS), **_scaling(given))
 
     def __call__(self, image: Image.Image) -> ProcessedImage:
         x = _chw(image)
@@ -183,16 +260,19 @@ class Gemma3Processor:
 
     @classmethod
     def from_config(cls, config: dict[str, Any], *, image_seq_len: int = 256) -> Gemma3Processor:
-        size = config.get("size", {})
-        return cls(side=int(size.get("height", 896)), image_seq_len=image_seq_len,
-                   resample=int(config.get("resample", BILINEAR)),
-                   mean=tuple(config.get("image_mean", (0.5,) * 3)),
-                   std=tuple(config.get("image_std", (0.5,) * 3)),
-                   rescale_factor=float(config.get("rescale_factor", 1 / 255)),
-                   pan_and_scan=bool(config.get("do_pan_and_scan") or False),
-                   min_crop=int(config.get("pan_and_scan_min_crop_size") or 256),
-                   max_crops=int(config.get("pan_and_scan_max_num_crops") or 4),
-                   min_ratio=float(config.get("pan_and_scan_min_ratio_to_activate") or 1.2))
+        """From a checkpoint's image-processor settings (see the module's note)."""
+        given = _given(config, GEMMA3_KEYS, "Gemma 3")
+        size = given.get("size", {"height": 896, "width": 896})
+        side = size.get("height") if isinstance(size, dict) else None
+        if (not isinstance(side, int) or side <= 0
+                or size != {"height": side, "width": side}):
+            raise ValueError(f"Gemma 3 image processor setting size must be a square "
+                             f"{{\"height\": n, \"width\": n}}; got {size!r}")
+        return cls(side=side, image_seq_len=image_seq_len, resample=_resample(given, BILINEAR),
+                   **_scaling(given), pan_and_scan=_flag(given, "do_pan_and_scan", False),
+                   min_crop=int(given.get("pan_and_scan_min_crop_size", 256)),
+                   max_crops=int(given.get("pan_and_scan_max_num_crops", 4)),
+                   min_ratio=float(given.get("pan_and_scan_min_ratio_to_activate", 1.2)))
 
     def __call__(self, image: Image.Image) -> ProcessedImage:
         x = _chw(image)

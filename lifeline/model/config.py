@@ -30,7 +30,7 @@ class VisionSpec:
     bidirectional: bool = False
     """An image's tokens attend to each other both ways in the language model (Gemma 3)."""
     processor: dict[str, Any] = field(default_factory=dict)
-    """The checkpoint's preprocessor_config.json (the image processor's settings)."""
+    """The image processor's settings, as the checkpoint saved them (`image_processor_settings`)."""
 
 
 @dataclass(slots=True)
@@ -308,19 +308,79 @@ def config_from_hf(path: str | Path) -> ModelConfig:
 
 
 def _vision_spec(top: dict[str, Any], folder: Path) -> VisionSpec:
+    """The vision side, its image processor's settings checked against the model (a checkpoint
+    Lifeline would read other than transformers is refused here, at load)."""
     vision = dict(top["vision_config"])
-    pre = folder / "preprocessor_config.json"
-    processor = json.loads(pre.read_text()) if pre.exists() else {}
+    settings, processor = image_processor_settings(folder)
     if top["model_type"] == "gemma3":
-        return VisionSpec("gemma3", vision, int(top.get("image_token_index", 262144)),
+        spec = VisionSpec("gemma3", vision, int(top.get("image_token_index", 262144)),
                           "<start_of_image>",
                           tokens_per_image=int(top.get("mm_tokens_per_image", 256)),
-                          bidirectional=True, processor=processor)
-    scale = int(top.get("scale_factor", 2))
-    patches = (vision.get("image_size", 224) // vision.get("patch_size", 32)) ** 2
-    return VisionSpec("idefics3", vision, int(top.get("image_token_id", 128257)), "<image>",
-                      scale_factor=scale, tokens_per_image=patches // scale ** 2,
-                      processor=processor)
+                          bidirectional=True, processor=settings)
+    else:
+        scale = int(top.get("scale_factor", 2))
+        patches = (vision.get("image_size", 224) // vision.get("patch_size", 32)) ** 2
+        spec = VisionSpec("idefics3", vision, int(top.get("image_token_id", 128257)), "<image>",
+                          scale_factor=scale, tokens_per_image=patches // scale ** 2,
+                          processor=settings)
+    try:
+        _check_image_processor(spec, processor)
+    except ValueError as exc:
+        raise ValueError(f"{folder}: {exc}") from None
+    return spec
+
+
+PROCESSOR_FILE, IMAGE_PROCESSOR_FILE = "processor_config.json", "preprocessor_config.json"
+
+
+def image_processor_settings(folder: Path) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the image processor's settings, the processor's own) as transformers reads them:
+    `image_processor` nested in processor_config.json (what transformers 5 saves), else the
+    flat preprocessor_config.json (the older layout, beside a processor_config.json holding
+    only the processor's own settings). Neither is an error: defaults would process images
+    other than the checkpoint's processor does."""
+    nested, flat = folder / PROCESSOR_FILE, folder / IMAGE_PROCESSOR_FILE
+    processor = _json_object(nested) if nested.is_file() else {}
+    if isinstance(processor.get("image_processor"), dict):
+        return processor["image_processor"], processor
+    if flat.is_file():
+        settings = _json_object(flat)
+        return settings, {**settings, **processor}
+    raise ValueError(f"{folder}: a vision model needs its image processor's settings, in "
+                     f"{PROCESSOR_FILE} (under 'image_processor', as transformers 5 saves "
+                     f"them) or {IMAGE_PROCESSOR_FILE}; neither is there")
+
+
+def _json_object(file: Path) -> dict[str, Any]:
+    value = json.loads(file.read_text())
+    if not isinstance(value, dict):
+        raise ValueError(f"{file}: expected a JSON object")
+    return value
+
+
+def _check_image_processor(spec: VisionSpec, processor: dict[str, Any]) -> None:
+    """The settings parse (lifeline.media.processors refuses what it cannot follow), the
+    encoder reads frames of the side they make, and the processor's image token count is
+    the model's."""
+    from lifeline.media.processors import Gemma3Processor, Idefics3Processor
+
+    side = spec.vision.get("image_size", 224)
+    if spec.family == "gemma3":
+        made = Gemma3Processor.from_config({"size": {"height": side, "width": side},
+                                            **spec.processor})
+        count_key = "image_seq_length"
+    else:
+        made = Idefics3Processor.from_config({"max_image_size": {"longest_edge": side},
+                                              **spec.processor},
+                                             image_seq_len=spec.tokens_per_image)
+        count_key = "image_seq_len"
+    if made.side != side:
+        raise ValueError(f"the image processor makes {made.side} px frames; the vision "
+                         f"encoder reads {side} px")
+    count = processor.get(count_key)
+    if count is not None and count != spec.tokens_per_image:
+        raise ValueError(f"the processor's {count_key} is {count}; the model gives each "
+                         f"frame {spec.tokens_per_image} tokens")
 
 
 def _set_moe_fields(cfg: ModelConfig, raw: dict[str, Any]) -> None:

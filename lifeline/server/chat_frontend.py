@@ -142,7 +142,8 @@ class ChatFrontend:
             messages, tools=body.tools, tool_choice=body.tool_choice,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
-            chat_template_kwargs=body.chat_template_kwargs, images=urls)
+            chat_template_kwargs=body.chat_template_kwargs, images=urls,
+            content_parts=template.reads_parts)
         inputs = template.escaped(inputs)
         text = template.render_inputs(inputs)
         if not urls:
