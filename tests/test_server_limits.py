@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from lifeline import SamplingParams
+from lifeline.chat import RenderLimits
 from lifeline.engine.engine import EngineConfig
 from lifeline.server import limits
 from lifeline.server.config import ServerConfig
@@ -141,6 +142,81 @@ TOKENIZER_CASES = {
 def test_tokenizer_endpoint_caps_give_400_naming_the_field(http, name):
     path, body, param = TOKENIZER_CASES[name]
     _error(http.post(path, json=body), 400, param)
+
+
+OVER = limits.MAX_PROMPT_CHARS + 1
+"""Characters past the prompt cap, sent in a field other than a message's `content`."""
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+RENDERED_FIELDS = {
+    "tool-call arguments": [USER[0], {"role": "assistant", "content": None, "tool_calls": [
+        {**CALL, "function": {"name": "f", "arguments": json.dumps({"a": "x" * OVER})}}]}],
+    "tool-call name": [USER[0], {"role": "assistant", "content": None, "tool_calls": [
+        {**CALL, "function": {"name": "f" * OVER, "arguments": "{}"}}]}],
+    "reasoning_content": [USER[0], {"role": "assistant", "content": "ok",
+                                    "reasoning_content": "r" * OVER}],
+    "reasoning": [USER[0], {"role": "assistant", "content": "ok", "reasoning": "r" * OVER}],
+    "name": [{"role": "user", "content": "Hi", "name": "n" * OVER}],
+    "tool_call_id": [USER[0], {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                     {"role": "tool", "content": "1", "tool_call_id": "c" * OVER}],
+    "split over fields": [{"role": "user", "content": "x" * (OVER // 2), "name": "n"},
+                          {"role": "assistant", "content": "ok",
+                           "reasoning_content": "r" * (OVER // 2)}],
+}
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/tokenize"])
+@pytest.mark.parametrize("name", list(RENDERED_FIELDS))
+def test_every_field_a_template_renders_counts_toward_the_prompt_cap(http, path, name):
+    r = http.post(path, json={"messages": RENDERED_FIELDS[name], "max_tokens": 1}
+                  if path != "/tokenize" else {"messages": RENDERED_FIELDS[name]})
+    error = _error(r, 400, "messages")
+    assert str(limits.MAX_PROMPT_CHARS) in error["message"]
+
+
+def test_chat_template_kwargs_count_toward_the_prompt_cap(http):
+    for path in ("/v1/chat/completions", "/tokenize"):
+        r = http.post(path, json={"messages": USER, "chat_template_kwargs": {"doc": "d" * OVER}})
+        error = _error(r, 400, "messages")
+        assert str(limits.MAX_PROMPT_CHARS) in error["message"]
+
+
+def test_fields_within_the_prompt_cap_still_work(client):
+    out = client.chat.completions.create(model=MODEL, max_tokens=1, messages=[
+        {"role": "user", "content": "x" * 1000, "name": "n"},
+        {"role": "assistant", "content": "ok", "reasoning_content": "r" * 1000,
+         "tool_calls": [CALL]},
+        {"role": "user", "content": "Hi"}])
+    assert out.usage.prompt_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def template_server(loaded):
+    """Takes a chat template in the request, as `--allow-request-chat-template` does."""
+    config = ServerConfig(allow_request_chat_template=True,
+                          engine=EngineConfig(kv_cache_memory_bytes=16 << 20))
+    with _running(ServerThread(loaded, config)) as srv:
+        yield srv
+
+
+def test_a_template_that_repeats_the_messages_is_capped_before_tokenizing(template_server):
+    """Each message within the cap, the rendered prompt past `max_prompt_chars`: refused from
+    the rendered length, before the tokenizer is given it (a context_length_exceeded would
+    come after)."""
+    cap = RenderLimits().max_prompt_chars
+    repeats = 8
+    content = ("The quick brown fox jumps over the lazy dog. " * (cap // 40))[:cap // repeats + 1]
+    template = "{% for i in range(" + str(repeats) + ") %}{{ messages[0].content }}{% endfor %}"
+    with httpx.Client(base_url=template_server.base_url, timeout=300) as http:
+        r = http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": content}], "max_tokens": 1,
+            "chat_template": template})
+        error = _error(r, 400, "messages")
+        assert error["code"] != "context_length_exceeded"
+        assert str(cap) in error["message"] and "characters" in error["message"]
+        r = http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+            "chat_template": template})
+        assert r.status_code == 200, r.text
 
 
 def test_caps_are_inclusive_and_requests_at_them_work(http):

@@ -77,11 +77,24 @@ VECTORS = {
     "range": "{{ range(10**7)|list|length }}",
     "list of a string": "{{ ('x' * 5000000)|list|length }}",
     "str.split": "{{ ('a ' * 3000000).split()|length }}",
+    "str.split at ASCII separators": "{{ ('ab\x1c' * 2500000).split()|length }}",
     "str.splitlines": "{{ ('\\n' * 3000000).splitlines()|length }}",
     "batch": "{{ [1]|batch(5000000, 'x')|list|length }}",
     "slice": "{{ [1]|slice(10**6)|list|length }}",
     "sum of lists": "{{ ([[1] * 1000] * 10000)|sum(start=[])|length }}",
     "lipsum": "{{ lipsum(10**6) }}",
+    # helpers whose output the format decides
+    "strftime_now of many directives": "{{ strftime_now('%c' * 2000000) }}",
+    "strftime_now of wide directives": "{{ strftime_now('%7000000Y' * 20) }}",
+    "str.encode with names": "{{ ('\u00e9' * 2000000).encode('ascii', 'namereplace') }}",
+    "str.translate by a list": "{{ ('\x00' * 1000000).translate(['x' * 100]) }}",
+    "urlize with a long target": "{{ ('www.a.com ' * 50000)|urlize(target='x' * 2000) }}",
+    # bytes, as str
+    "bytes repeat": "{{ 'x'.encode() * 10**8 }}",
+    "bytes center": "{{ 'x'.encode().center(10**8) }}",
+    "bytes % width": "{{ '%100000000d'.encode() % 1 }}",
+    "bytes expandtabs": "{{ ('\t'.encode() * 1000000).expandtabs(100) }}",
+    "bytes replace": "{{ ('a'.encode() * 1000000).replace('a'.encode(), 'b'.encode() * 100) }}",
 }
 
 
@@ -142,6 +155,10 @@ SMALL = {
                     "|{{ 'one two three'|wordwrap(4) }}|{{ range(5)|join(',') }}|{{ 'ab' * 3 }}",
     "concat": "{% set ns = namespace(s='') %}{% for m in messages %}"
               "{% set ns.s = ns.s ~ m.content ~ '\\n' %}{% endfor %}{{ ns.s }}",
+    "bytes and links": "{{ 'ab'.encode().center(6) }}|{{ ('%3d' % 7).encode() * 2 }}"
+                       "|{{ 'see www.example.com now'|urlize(target='_blank') }}"
+                       "|{{ 'caf\u00e9'.encode('ascii', 'namereplace') }}"
+                       "|{{ 'abc'.translate({97: 'xy'}) }}|{{ 'ab'.encode().hex(':') }}",
 }
 MESSAGES = [{"role": "user", "content": "caf\u00e9 \"quoted\"\n\ttab \U0001f999"},
             {"role": "assistant", "content": "ok"}, {"role": "user", "content": "x" * 5000}]
@@ -157,6 +174,15 @@ def test_ordinary_operations_render_as_transformers_does(name):
 
 NESTED = [[], {}, "a\nb'\"\\", ["x", 1, None, True, 2.5, {"a": [1, 2, {"b": "\u00fc\u2028\x01"}]}],
           ("t",), {"k": list(range(100))}, "\U0001f600" * 3, [["x" * 50] * 5] * 5]
+
+
+def test_a_date_format_renders_the_date():
+    from datetime import datetime
+
+    before = datetime.now().strftime("%Y-%m-%d %c")
+    out = ChatTemplate("{{ strftime_now('%Y-%m-%d %c') }}", "request").render(USER)
+    after = datetime.now().strftime("%Y-%m-%d %c")
+    assert out in (before, after)
 
 
 @pytest.mark.parametrize("value", NESTED, ids=range(len(NESTED)))

@@ -24,6 +24,13 @@ MAX_RANGE = 100_000
 MAX_POWER_BITS = 1 << 20
 _PERCENT_FIELD = re.compile(r"%(?:\([^)]*\))?[-#0 +]*(\*|\d+)?(?:\.(\*|\d*))?")
 _DIGITS = re.compile(r"\d+")
+_ASCII_SPACES = " \t\n\r\x0b\x0c\x1c\x1d\x1e\x1f"
+"""The ASCII characters `str.split()` and the regex `\\s` split on."""
+_STRFTIME_FIELD = re.compile(r"%[-_0^#]*(\d*)")
+STRFTIME_FIELD_CHARS = 64
+"""The most one strftime directive writes without a width ('%c' in the C locale: 24)."""
+ENCODED_CHARS = 100
+"""The most `str.encode` writes for one character (a Unicode name under 'namereplace')."""
 
 
 @dataclass(slots=True, frozen=True)
@@ -42,10 +49,15 @@ class RenderLimits:
     max_alloc_bytes: int = 128 << 20
     """The memory (as `sys.getsizeof` counts it) of all strings and containers one render's
     operations build, added up whether or not they are still alive."""
+    max_prompt_chars: int = 1 << 20
+    """Characters of the rendered prompt, the text the tokenizer is then given: room for a
+    request's messages and tools at their caps (`lifeline.server.limits`) written out with
+    indentation, not for a template that repeats them."""
 
     def __post_init__(self) -> None:
         if not (self.timeout_s > 0 and min(self.max_operations, self.max_output_chars,
-                                           self.max_items, self.max_alloc_bytes) > 0):
+                                           self.max_items, self.max_alloc_bytes,
+                                           self.max_prompt_chars) > 0):
             raise ValueError("render limits must be positive")
 
 
@@ -158,15 +170,35 @@ def check_binop(budget: Budget, operator: str, left: Any, right: Any) -> None:
         _check_repeat(budget, left, right)
         _check_repeat(budget, right, left)
     elif operator == "+":
-        if isinstance(left, (str, list, tuple)) and isinstance(right, type(left)):
+        if isinstance(left, (str, bytes, list, tuple)) and isinstance(right, type(left)):
             budget.check_size(len(left) + len(right), type(left).__name__)
-    elif operator == "%" and isinstance(left, str):
-        check_percent(budget, left, right)
+    elif operator == "%" and isinstance(left, (str, bytes)):
+        check_percent(budget, _as_text(left), right)
 
 
 def _check_repeat(budget: Budget, seq: Any, times: Any) -> None:
-    if isinstance(seq, (str, list, tuple)) and _is_int(times):
+    if isinstance(seq, (str, bytes, list, tuple)) and _is_int(times):
         budget.check_size(len(seq) * times, type(seq).__name__)
+
+
+def _as_text(value: str | bytes) -> str:
+    """Bytes as a str of the same length, for the checks that count characters."""
+    return value.decode("latin-1") if isinstance(value, bytes) else value
+
+
+def check_strftime(budget: Budget, fmt: Any) -> None:
+    """`strftime(fmt)`: each directive writes at most its width or `STRFTIME_FIELD_CHARS`,
+    whichever is more; the rest of the format is copied."""
+    if not isinstance(fmt, str):
+        return
+    total = len(fmt)
+    for count, match in enumerate(_STRFTIME_FIELD.finditer(fmt), 1):
+        total += _width(budget, match.group(1)) + STRFTIME_FIELD_CHARS
+        if total > budget.limits.max_output_chars:
+            raise TemplateTimeout(f"chat template date format would write over "
+                                  f"{budget.limits.max_output_chars} characters")
+        if count % 4096 == 0:
+            budget.check_deadline()
 
 
 def _check_formatted(budget: Budget, fmt: str, fields: int, widths: int, args: Any) -> None:
@@ -228,14 +260,25 @@ def replaced_size(text: Any, old: Any, new: Any, count: Any = -1) -> int:
     return len(text) + hits * max(0, len(new) - len(old))
 
 
-def check_str_method(budget: Budget, text: str, name: str, args: tuple, kwargs: dict) -> None:
+def check_str_method(budget: Budget, text: str | bytes, name: str, args: tuple,
+                     kwargs: dict) -> None:
+    """A method of a str or bytes, from the sizes of its inputs. Bytes are checked as the
+    str of their latin-1 characters (same length, same counts of ASCII separators), their
+    arguments likewise."""
     check = _STR_CHECKS.get(name)
-    if check is not None:
-        check(budget, text, *args, **kwargs)
+    if check is None:
+        return
+    if isinstance(text, bytes):
+        text = _as_text(text)
+        args = tuple(_as_text(a) if isinstance(a, bytes) else a for a in args)
+        kwargs = {k: _as_text(v) if isinstance(v, bytes) else v for k, v in kwargs.items()}
+    check(budget, text, *args, **kwargs)
 
 
 def _widen(budget: Budget, text: str, width: Any = 0, *_: Any, **__: Any) -> None:
     budget.check_ints([width])
+    if _is_int(width):
+        budget.check_size(max(len(text), width), "str")
 
 
 def _expandtabs(budget: Budget, text: str, tabsize: Any = 8, **_: Any) -> None:
@@ -256,9 +299,33 @@ def _format_map(budget: Budget, text: str, mapping: Any = None, *_: Any) -> None
 
 
 def _translate(budget: Budget, text: str, table: Any = None, *_: Any) -> None:
-    if isinstance(table, dict):
+    """Each character becomes at most the longest string the table holds (any object with
+    items: a dict, a list, a namespace)."""
+    if table is None or isinstance(table, str):
+        longest = 1
+    elif isinstance(table, dict):
         longest = max((len(v) for v in table.values() if isinstance(v, str)), default=1)
-        budget.check_size(len(text) * longest, "str")
+    elif isinstance(table, (list, tuple)):
+        longest = max((len(v) for v in table if isinstance(v, (str, bytes))), default=1)
+    else:
+        longest = sizes.str_length(table, budget.check_deadline)
+    budget.check_size(len(text) * max(longest, 1), "str")
+
+
+def _encode(budget: Budget, text: str, *_: Any, **__: Any) -> None:
+    """`str.encode`: four bytes a character for ASCII text in any codec (UTF-32, escapes of
+    control characters), `ENCODED_CHARS` for other text (escapes, character names)."""
+    budget.check_size(len(text) * (4 if text.isascii() else ENCODED_CHARS) + 4, "bytes")
+
+
+def _decode(budget: Budget, text: str, *_: Any, **__: Any) -> None:
+    """`bytes.decode`: a byte becomes at most four characters ('backslashreplace')."""
+    budget.check_size(4 * len(text), "str")
+
+
+def _hex(budget: Budget, text: str, sep: Any = None, *_: Any, **__: Any) -> None:
+    per = 2 + (len(sep) if isinstance(sep, (str, bytes)) else 0)
+    budget.check_size(per * len(text), "str")
 
 
 def _case(budget: Budget, text: str, *_: Any, **__: Any) -> None:
@@ -278,7 +345,7 @@ def _split(budget: Budget, text: str, sep: Any = None, maxsplit: Any = -1, **_: 
     if isinstance(sep, str) and sep:
         count = text.count(sep) + 1
     else:
-        count = sum(text.count(c) for c in " \t\n\r\x0b\x0c") + 1 if text.isascii() \
+        count = sum(text.count(c) for c in _ASCII_SPACES) + 1 if text.isascii() \
             else len(text) // 2 + 1
     if _is_int(maxsplit) and maxsplit >= 0:
         count = min(count, maxsplit + 1)
@@ -297,7 +364,7 @@ _STR_CHECKS: dict[str, Callable[..., None]] = {
     "format_map": _format_map, "translate": _translate, "join": _join,
     "split": _split, "rsplit": _split, "splitlines": _splitlines,
     "upper": _case, "lower": _case, "title": _case, "capitalize": _case, "swapcase": _case,
-    "casefold": _case,
+    "casefold": _case, "encode": _encode, "decode": _decode, "hex": _hex,
 }
 MATERIALIZED_STR_ARGS = frozenset({"join"})
 """String methods whose argument may be an iterator: made a list (within `max_items`) first, so
@@ -333,6 +400,25 @@ def _filter_words(budget: Budget, value: Any, *_: Any, **__: Any) -> None:
     size = _text_size(budget, value)
     budget.check_size(size)
     budget.check_count(size)
+
+
+def _filter_center(budget: Budget, value: Any, width: Any = 80, *_: Any, **__: Any) -> None:
+    size = _text_size(budget, value)
+    budget.check_size(max(size, width) if _is_int(width) else size, "str")
+
+
+def _filter_urlize(budget: Budget, value: Any, trim_url_limit: Any = None, nofollow: Any = False,
+                   target: Any = None, rel: Any = None, *_: Any, **__: Any) -> None:
+    """The text is escaped (a character to at most five), and each word may become a link that
+    writes it twice with a scheme and the escaped `target` and `rel` attributes."""
+    _filter_words(budget, value)
+    size = _text_size(budget, value)
+    if isinstance(value, str) and value.isascii():
+        words = sum(value.count(c) for c in _ASCII_SPACES) + 1
+    else:
+        words = size // 2 + 1
+    extra = 5 * sum(len(v) for v in (target, rel) if isinstance(v, str)) + 64
+    budget.check_size(10 * size + words * extra, "str")
 
 
 def _filter_case(budget: Budget, value: Any, *_: Any, **__: Any) -> None:
@@ -431,10 +517,10 @@ def _filter_sum(budget: Budget, value: Any, attribute: Any = None, start: Any = 
 FILTER_CHECKS: dict[str, Callable[..., None]] = {
     "indent": _filter_indent, "format": _filter_format, "replace": _filter_replace,
     "join": _filter_join, "list": _filter_list, "tojson": _filter_tojson,
-    "string": _filter_stringify, "pprint": _filter_pprint, "center": _filter_stringify,
+    "string": _filter_stringify, "pprint": _filter_pprint, "center": _filter_center,
     "truncate": _filter_stringify, "trim": _filter_stringify, "safe": _filter_stringify,
     "upper": _filter_case, "lower": _filter_case, "capitalize": _filter_case,
-    "title": _filter_words, "striptags": _filter_words, "urlize": _filter_words,
+    "title": _filter_words, "striptags": _filter_words, "urlize": _filter_urlize,
     "wordcount": _filter_words, "wordwrap": _filter_wordwrap, "escape": _filter_escape,
     "e": _filter_escape, "forceescape": _filter_escape, "urlencode": _filter_urlencode,
     "xmlattr": _filter_xmlattr, "batch": _filter_batch, "slice": _filter_slice,

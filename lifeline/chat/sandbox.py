@@ -143,7 +143,10 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: Any = None,
 
 
 def _strftime_now(fmt: str) -> str:
-    return datetime.now().strftime(fmt)
+    """Hugging Face's helper, its output bounded from the format before it is written."""
+    budget = guards.current_budget()
+    guards.check_strftime(budget, fmt)
+    return budget.check_result(datetime.now().strftime(fmt))
 
 
 class _Namespace(jinja2.utils.Namespace):
@@ -209,7 +212,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
         budget.tick()
         target = getattr(obj, "__wrapped__", obj)
         owner = getattr(target, "__self__", None)
-        if isinstance(owner, str):
+        if isinstance(owner, (str, bytes)):
             name = getattr(target, "__name__", "")
             if name in guards.MATERIALIZED_STR_ARGS and args:
                 args = (guards.materialize(budget, args[0]), *args[1:])

@@ -140,6 +140,9 @@ class ChatTemplate:
             "eos_token": self.eos_token if eos_token is None else eos_token,
         }
         text = render_bounded(compile_template(source), context, self.limits)
+        if len(text) > self.limits.max_prompt_chars:
+            raise ChatError(f"the chat template renders these messages as {len(text)} "
+                            f"characters; at most {self.limits.max_prompt_chars} are allowed")
         if inputs.continue_final_message:
             cut = text.rfind(_CONTINUE_MARK)
             if cut < 0:

@@ -20,9 +20,12 @@ MAX_PROMPTS = 256
 MAX_CHOICES = 256
 """Engine requests one HTTP request becomes: prompts times `n`."""
 MAX_PROMPT_CHARS = 1 << 18
-"""Characters of text prompt in one request, all prompts (or all message contents) together,
-and of a `/tokenize` prompt: 8 characters a token over a 32k context. Tokenizing one long text
-builds millions of small objects, and the collector's passes over them stop the process."""
+"""Characters of text prompt in one request, all prompts together (for chat: every string a
+template may render, i.e. all message fields, tool-call arguments and reasoning included, and
+`chat_template_kwargs`), and of a `/tokenize` prompt: 8 characters a token over a 32k context.
+Tokenizing one long text builds millions of small objects, and the collector's passes over them
+stop the process. What a template renders from them is capped again, as a whole
+(`lifeline.chat.RenderLimits.max_prompt_chars`)."""
 MAX_PROMPT_TOKEN_IDS = 1 << 17
 """Token ids of prompt in one request, all prompts together (and of a `/detokenize` list)."""
 MAX_MESSAGES = 2048

@@ -64,14 +64,22 @@ def _check_tools_size(tools: list[dict[str, Any]] | None) -> None:
         raise ParamError(f"tools may be at most {MAX_TOOLS_CHARS} characters in all", "tools")
 
 
-def _check_content_size(messages: list[Any]) -> None:
-    """The text of the messages; image parts are bounded by the image limits instead
-    (`ServerConfig.max_images`, `max_image_bytes`) and by the body's size."""
-    size = sum(_json_size(_text_parts(m.content), MAX_PROMPT_CHARS) for m in messages
-               if m.content)
+def _check_content_size(messages: list[Any], template_kwargs: Any = None) -> None:
+    """Every string a template may render, counted toward `MAX_PROMPT_CHARS`: each message's
+    content, tool calls (names and arguments), reasoning, name, tool-call id and any other
+    field it carries, and the `chat_template_kwargs`. Image parts are bounded by the image
+    limits instead (`ServerConfig.max_images`, `max_image_bytes`) and by the body's size."""
+    size = _json_size(template_kwargs, MAX_PROMPT_CHARS) if template_kwargs else 0
+    for m in messages:
+        if size > MAX_PROMPT_CHARS:
+            break
+        fields = [m.model_extra, _text_parts(m.content), m.name, m.tool_calls, m.tool_call_id,
+                  m.reasoning_content]
+        size += sum(_json_size(f, MAX_PROMPT_CHARS - size) for f in fields if f)
     if size > MAX_PROMPT_CHARS:
-        raise ParamError(f"the messages' contents may be at most {MAX_PROMPT_CHARS} characters "
-                         "in all", "messages")
+        raise ParamError(f"the messages (contents, tool calls, reasoning and every other "
+                         f"field a chat template renders) and chat_template_kwargs may be at "
+                         f"most {MAX_PROMPT_CHARS} characters in all", "messages")
 
 
 def _text_parts(content: Any) -> Any:
@@ -252,7 +260,7 @@ class ChatCompletionRequest(_SamplingBody):
 
     @model_validator(mode="after")
     def _check_content_chars(self) -> ChatCompletionRequest:
-        _check_content_size(self.messages)
+        _check_content_size(self.messages, self.chat_template_kwargs)
         return self
 
     @model_validator(mode="after")
@@ -390,7 +398,7 @@ class TokenizeRequest(_Body):
             raise ParamError(f"the prompt may be at most {MAX_PROMPT_CHARS} characters, got "
                              f"{len(self.prompt)}", "prompt")
         _check_tools_size(self.tools)
-        _check_content_size(self.messages or [])
+        _check_content_size(self.messages or [], self.chat_template_kwargs)
         return self
 
     @model_validator(mode="after")
