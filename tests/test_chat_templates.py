@@ -153,6 +153,67 @@ def test_gemma_refuses_turns_that_do_not_alternate():
     assert err.value.param == "messages" and "alternate" in str(err.value)
 
 
+GOOGLE_GEMMA3_RULES = (
+    "{{ bos_token }}{% if messages[0].role == 'system' %}"
+    "{% set head = messages[0].content + '\n\n' %}{% set rest = messages[1:] %}"
+    "{% else %}{% set head = '' %}{% set rest = messages %}{% endif %}"
+    "{% for m in rest %}{% if (m.role == 'user') != (loop.index0 is even) %}"
+    "{{ raise_exception('roles must alternate') }}{% endif %}"
+    "<start_of_turn>{{ 'model' if m.role == 'assistant' else m.role }}\n"
+    "{{ head if loop.first }}{{ m.content | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}")
+"""The rules of the chat template Google ships with Gemma 3 (`tokenizer_config.json` of the
+google/gemma-3-*-it checkpoints), restated for text content: the first system message opens the
+first user turn followed by a blank line; every other message must be a user message at even
+places and anything but a user message at odd ones, and keeps its role's name (assistant:
+model); content is trimmed. So a later system message is accepted where a model turn would be."""
+
+
+def google_render(messages, add_generation_prompt=True) -> str:
+    rendered, _ = render_jinja_template([messages], chat_template=GOOGLE_GEMMA3_RULES,
+                                        bos_token="<bos>",
+                                        add_generation_prompt=add_generation_prompt)
+    return rendered[0]
+
+
+def _sys(text):
+    return {"role": "system", "content": text}
+
+
+LATER_SYSTEM = {
+    "after the first user turn": [_sys("Be brief. "), CHAT[1], _sys(" Now be polite."), CHAT[3]],
+    "without a first one": [CHAT[1], _sys("Answer in French."), CHAT[3]],
+    "deep in the history": [*CHAT[:4], _sys("Use metric units."), CHAT[5]],
+    "last": [*CHAT[1:4], _sys("Stop here.")],
+}
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("name", sorted(LATER_SYSTEM))
+def test_gemma_renders_a_later_system_message_as_googles_template_does(name,
+                                                                       add_generation_prompt):
+    messages = LATER_SYSTEM[name]
+    ours = builtin("gemma3").render(messages, add_generation_prompt=add_generation_prompt)
+    assert ours == google_render(messages, add_generation_prompt)
+    assert "<start_of_turn>system\n" in ours
+
+
+def test_gemma_puts_a_system_message_in_a_user_place_before_that_user_turn():
+    """Where Google's template refuses a system message (where a user turn would be), OpenAI
+    takes it: it opens the user turn that follows, as the first system message does."""
+    messages = [*CHAT[:3], _sys("Use metric units."), CHAT[3]]
+    with pytest.raises(Exception, match="alternate"):
+        google_render(messages)
+    assert builtin("gemma3").render(messages) == (
+        f"<bos><start_of_turn>user\n{SYSTEM}\n\nHi there<end_of_turn>\n"
+        "<start_of_turn>model\nHello.<end_of_turn>\n"
+        "<start_of_turn>user\nUse metric units.\n\nWhat is the weather in Paris?<end_of_turn>\n"
+        "<start_of_turn>model\n")
+    alone = builtin("gemma3").render([*CHAT[1:3], _sys("Be brief.")])
+    assert alone.endswith("<start_of_turn>model\nHello.<end_of_turn>\n"
+                          "<start_of_turn>user\nBe brief.<end_of_turn>\n<start_of_turn>model\n")
+
+
 def test_text_parts_are_joined():
     parts = [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]
     prompt = builtin("gemma3").render([{"role": "user", "content": parts}])

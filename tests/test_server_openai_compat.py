@@ -190,7 +190,7 @@ def test_echo_logprobs_match_the_offline_prompt_logits(client, loaded, offline):
     assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
     reference = offline.prompt_logits(ids).log_softmax(dim=-1)
     text = [loaded.tokenizer.token_to_bytes(t).decode("utf-8", "replace") for t in ids]
-    assert lp.tokens[:n] == text
+    assert lp.tokens[:n] == ["", *text[1:]]  # the BOS, as skip_special_tokens decodes it
     for i in range(1, n):
         expected = reference[i - 1, ids[i]].item()
         assert lp.token_logprobs[i] == pytest.approx(expected, abs=LOGPROB_TOLERANCE)
@@ -199,6 +199,47 @@ def test_echo_logprobs_match_the_offline_prompt_logits(client, loaded, offline):
         assert set(lp.top_logprobs[i]) == names
         assert len(lp.top_logprobs[i]) <= 3
     assert lp.text_offset[0] == 0 and lp.text_offset[n] == len(prompt)
+
+
+ECHO_PROMPTS = {
+    "text": "The capital of France is",
+    "text with a special token": "<start_of_turn>user\nHi<end_of_turn>",
+    "non-ASCII text": "Na\u00efve caf\u00e9 \u65e5\u672c \U0001f999 ok",
+    "token ids": "ids:<start_of_turn>user\nCaf\u00e9 \U0001f999<end_of_turn>",
+}
+
+
+@pytest.mark.parametrize("skip_special_tokens", [True, False])
+@pytest.mark.parametrize("name", sorted(ECHO_PROMPTS))
+def test_echo_text_and_its_token_offsets_agree(client, loaded, name, skip_special_tokens):
+    """The echoed prompt is its ids decoded; each token in `logprobs.tokens` is the text it
+    adds, at its `text_offset` in the returned text, offsets never decreasing; the same
+    streamed."""
+    prompt = ECHO_PROMPTS[name]
+    ids = loaded.tokenizer.encode(prompt.removeprefix("ids:"))
+    sent = ids if prompt.startswith("ids:") else prompt
+    expected = loaded.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+    args = dict(model=MODEL, prompt=sent, max_tokens=2, temperature=0, echo=True, logprobs=1,
+                extra_body={"ignore_eos": True, "skip_special_tokens": skip_special_tokens})
+    whole = client.completions.create(**args).choices[0]
+    streamed = [c.choices[0] for c in client.completions.create(**args, stream=True)
+                if c.choices]
+    assert whole.text.startswith(expected)
+    assert "".join(c.text for c in streamed) == whole.text
+    lp = whole.logprobs
+    assert [t for c in streamed if c.logprobs for t in c.logprobs.tokens] == lp.tokens
+    assert [o for c in streamed if c.logprobs for o in c.logprobs.text_offset] == \
+        lp.text_offset
+    n = len(ids)
+    assert len(lp.tokens) == len(lp.text_offset) == n + 2
+    assert "".join(lp.tokens[:n]) == expected and lp.text_offset[n] == len(expected)
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    for token, offset in zip(lp.tokens[:n], lp.text_offset, strict=False):
+        assert whole.text[offset:offset + len(token)] == token
+    specials = [loaded.tokenizer.decode([t], skip_special_tokens=skip_special_tokens)
+                for t in ids if t in loaded.tokenizer.special_token_ids]
+    assert [lp.tokens[i] for i, t in enumerate(ids)
+            if t in loaded.tokenizer.special_token_ids] == specials
 
 
 def text_of(loaded, token_id: int) -> str:
@@ -220,6 +261,31 @@ def test_echo_logprob_of_a_greedy_token_equals_its_generated_logprob(client, loa
     echoed = scored.choices[0].logprobs.token_logprobs[len(ids):len(ids) + 3]
     assert echoed == pytest.approx(made.choices[0].logprobs.token_logprobs,
                                    abs=LOGPROB_TOLERANCE)
+
+
+# system messages with the built-in Gemma template ------------------------------------------------
+
+LATER_SYSTEM = [{"role": "user", "content": "Hi"},
+                {"role": "system", "content": "Answer in French."},
+                {"role": "user", "content": "What is the capital of Italy?"}]
+
+
+def test_a_later_system_message_is_accepted_and_rendered_as_google_renders_it(client, http,
+                                                                              loaded):
+    from tests.test_chat_templates import google_render
+
+    out = client.chat.completions.create(model=MODEL, messages=LATER_SYSTEM, max_tokens=2)
+    assert out.choices[0].finish_reason in ("length", "stop")
+    reference = loaded.tokenizer.encode(google_render(LATER_SYSTEM), add_special_tokens=False)
+    assert out.usage.prompt_tokens == len(reference)
+    r = http.post("/tokenize", json={"messages": LATER_SYSTEM})
+    assert r.status_code == 200, r.text
+    assert r.json()["tokens"] == reference
+    in_user_place = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+                     {"role": "system", "content": "Be brief."},
+                     {"role": "user", "content": "Bye"}]
+    out = client.chat.completions.create(model=MODEL, messages=in_user_place, max_tokens=2)
+    assert out.choices[0].finish_reason in ("length", "stop")
 
 
 # /tokenize ---------------------------------------------------------------------------------------
@@ -263,18 +329,51 @@ def test_tokenize_refuses_both_options(http):
 
 # continuous usage ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("include_usage", [True, False])
-def test_continuous_usage_on_every_chunk(client, include_usage):
+def test_continuous_usage_on_every_chunk(client):
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "Count to five."}], max_tokens=5,
         stream=True, extra_body={"ignore_eos": True},
-        stream_options={"include_usage": include_usage, "continuous_usage_stats": True}))
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
     assert len(chunks) >= 6
     assert all(c.usage is not None for c in chunks)
     completion = [c.usage.completion_tokens for c in chunks]
     assert completion == sorted(completion) and completion[0] == 0 and completion[-1] == 5
     assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens}
-    assert (chunks[-1].choices == []) == include_usage
+    assert chunks[-1].choices == []
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("stream_options", [
+    None, {"include_usage": False}, {"continuous_usage_stats": True},
+    {"include_usage": False, "continuous_usage_stats": True}])
+def test_no_usage_in_a_stream_unless_include_usage(server, client, endpoint, stream_options):
+    """As OpenAI and vLLM: usage only where `include_usage` asks for it; without it,
+    `continuous_usage_stats` adds none (raw events, so a field the client would drop shows)."""
+    extra = {} if stream_options is None else {"stream_options": stream_options}
+    if endpoint == "chat":
+        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}]}
+    else:
+        path, body = "/v1/completions", {"prompt": "Hello"}
+    with httpx.Client(base_url=server.base_url, timeout=120) as http:
+        with http.stream("POST", path, json={**body, "max_tokens": 3, "stream": True,
+                                             "ignore_eos": True, **extra}) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+    assert len(events) >= 3
+    assert [e for e in events if "usage" in e] == []
+    assert all(e["choices"] for e in events[:-1])
+    parsed = client.chat.completions.create if endpoint == "chat" else client.completions.create
+    chunks = list(parsed(model=MODEL, **body, max_tokens=3, stream=True,
+                         extra_body={"ignore_eos": True, **extra}))
+    assert all(c.usage is None for c in chunks)
+
+
+def test_usage_in_a_final_chunk_with_empty_choices(client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=3, stream=True,
+        stream_options={"include_usage": True}, extra_body={"ignore_eos": True}))
+    assert [c.usage is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 3
 
 
 def test_usage_only_at_the_end_without_continuous(client):

@@ -1,9 +1,13 @@
 """Built-in chat templates, used when neither the command line, the GGUF file nor the Hugging
 Face directory supplies one. Each follows its family's documented prompt format.
 
-- gemma3: https://ai.google.dev/gemma/docs/core/prompt-structure. Gemma has no system role:
-  the system message opens the first user turn, followed by a blank line. Turns must alternate
-  user/model; content is trimmed; a lone system message becomes a user turn.
+- gemma3: https://ai.google.dev/gemma/docs/core/prompt-structure, rendered as Google's own
+  template renders what it accepts. The first system message opens the first user turn,
+  followed by a blank line. Turns alternate user/model; content is trimmed. A later system
+  message where a model turn would be is a `system` turn, as Google's template writes it; where
+  a user turn would be (Google's template refuses it there, OpenAI does not), it opens the user
+  turn that follows, as the first one does, or is a user turn of its own when no user message
+  follows. A lone system message becomes a user turn.
 - llama: Llama 3 headers (`<|start_header_id|>role<|end_header_id|>\\n\\n…<|eot_id|>`). Tools are
   listed in the system turn; calls are written as `{"name": …, "parameters": …}`; tool results
   use the `ipython` role, as in Llama 3.1's JSON tool calling.
@@ -16,23 +20,33 @@ from __future__ import annotations
 
 GEMMA3 = r"""
 {{- bos_token -}}
-{%- set ns = namespace(system='', first=0) -%}
+{%- set ns = namespace(prefix='', first=0, model=false) -%}
 {%- if messages[0].role == 'system' -%}
-  {%- set ns.system = messages[0].content ~ '\n\n' -%}
+  {%- set ns.prefix = messages[0].content ~ '\n\n' -%}
   {%- set ns.first = 1 -%}
 {%- endif -%}
 {%- set turns = messages[ns.first:] -%}
 {%- if not turns -%}
-  {{- '<start_of_turn>user\n' ~ ns.system | trim ~ '<end_of_turn>\n' -}}
+  {{- '<start_of_turn>user\n' ~ ns.prefix | trim ~ '<end_of_turn>\n' -}}
 {%- endif -%}
 {%- for message in turns -%}
-  {%- set expected = 'user' if loop.index0 % 2 == 0 else 'assistant' -%}
-  {%- if message.role != expected -%}
-    {{- raise_exception('Gemma needs turns that alternate user/assistant, starting with a '
-                        ~ 'user turn after at most one system message') -}}
+  {%- if not ns.model and message.role == 'system' and not loop.last
+        and loop.nextitem.role == 'user' -%}
+    {%- set ns.prefix = ns.prefix ~ message.content ~ '\n\n' -%}
+  {%- else -%}
+    {%- if message.role not in (['assistant', 'system'] if ns.model else ['user', 'system']) -%}
+      {{- raise_exception('Gemma needs turns that alternate user/assistant, starting with a '
+                          ~ 'user turn; a system message may stand in for either') -}}
+    {%- endif -%}
+    {%- if ns.model -%}
+      {{- '<start_of_turn>' ~ ('model' if message.role == 'assistant' else 'system') ~ '\n' -}}
+      {{- message.content | trim ~ '<end_of_turn>\n' -}}
+    {%- else -%}
+      {{- '<start_of_turn>user\n' ~ ns.prefix ~ message.content | trim ~ '<end_of_turn>\n' -}}
+      {%- set ns.prefix = '' -%}
+    {%- endif -%}
+    {%- set ns.model = not ns.model -%}
   {%- endif -%}
-  {{- '<start_of_turn>' ~ ('model' if message.role == 'assistant' else 'user') ~ '\n' -}}
-  {{- (ns.system if loop.first else '') ~ message.content | trim ~ '<end_of_turn>\n' -}}
 {%- endfor -%}
 {%- if add_generation_prompt -%}
   {{- '<start_of_turn>model\n' -}}

@@ -24,8 +24,10 @@ class _Stream:
         self.closed: set[int] = set()
         """Choices whose finish_reason was sent."""
         options = job.body.stream_options
-        self.continuous_usage = bool(options and options.continuous_usage_stats)
-        """vLLM's `stream_options.continuous_usage_stats`: usage so far on every chunk."""
+        self.continuous_usage = bool(options and options.include_usage
+                                     and options.continuous_usage_stats)
+        """vLLM's `stream_options.continuous_usage_stats`: usage so far on every chunk, as vLLM
+        adds it only where `include_usage` asks for usage at all."""
 
     def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
         return {"id": self.job.response_id, "object": self.object_name,
@@ -206,6 +208,9 @@ class CompletionStream(_Stream):
         self.echo = bool(job.body.echo)
         self.echoed: dict[int, list[TokenLogprobs | None] | None] = {}
         """Choices whose prompt was echoed, with its logprobs (when asked for)."""
+        self.prompt_pieces: dict[int, list[str]] = {}
+        """Each echoed prompt, as the text each of its tokens adds, by the identity of its id
+        list (which the choices of one prompt share)."""
 
     def absorb(self, choice: Choice, out: GenerationOutput) -> dict[str, Any] | None:
         text, offset = out.new_text, self.offsets[choice.index]
@@ -230,19 +235,26 @@ class CompletionStream(_Stream):
                             "finish_reason": finish}])
 
     def _prompt_text(self, choice: Choice) -> str:
-        body = self.job.body
-        prompt = body.prompts[choice.index // body.n]
-        if isinstance(prompt, str):
-            return prompt
-        return self.job.state.client.detokenize(choice.prompt_ids, body.skip_special_tokens)
+        """The prompt's ids decoded (`skip_special_tokens` as the request says), a text prompt
+        and a token-id one alike, so that the echoed text and its tokens agree."""
+        return "".join(self._pieces(choice))
+
+    def _pieces(self, choice: Choice) -> list[str]:
+        pieces = self.prompt_pieces.get(id(choice.prompt_ids))
+        if pieces is None:
+            token_text = self.job.state.token_text
+            pieces = token_text.pieces(choice.prompt_ids, self.job.body.skip_special_tokens)
+            self.prompt_pieces[id(choice.prompt_ids)] = pieces
+        return pieces
 
     def _prompt_logprobs(self, choice: Choice) -> dict[str, Any]:
-        """The echoed prompt's tokens: the first unscored, the others with their logprobs."""
+        """The echoed prompt's tokens, each as the text it adds at its offset in the echoed
+        prompt: the first unscored, the others with their logprobs."""
         items = self.echoed.get(choice.index) or []
         if len(items) != len(choice.prompt_ids) or any(lp is None for lp in items[1:]):
             raise RuntimeError(f"{choice.request_id}: the prompt logprobs are incomplete")
         return self.job.state.token_text.completion_logprobs(
-            items[1:], 0, unscored=choice.prompt_ids[0])
+            items[1:], 0, unscored=choice.prompt_ids[0], texts=self._pieces(choice))
 
     def cut_off(self, choice: Choice) -> dict[str, Any]:
         self.closed.add(choice.index)
