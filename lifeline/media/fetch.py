@@ -16,8 +16,9 @@ slow or hostile host hold the server.
   checked again; the body is read up to `max_bytes`.
 - One deadline, `timeout_s` from the call, covers the whole fetch: the wait for a slot, each
   DNS lookup, connecting, TLS, the status line, every header (and every 1xx answer), the
-  body. Every socket operation runs under what is left of it (`_DeadlineBackend`), so a host
-  that trickles a byte a second or sends `100 Continue` forever is cut off at the deadline.
+  body. Every socket operation runs under what is left of it (lifeline.media.deadline_net),
+  so a host that trickles a byte a second or sends `100 Continue` forever is cut off at the
+  deadline.
 - At most `MAX_CONCURRENT_FETCHES` fetches run at once in a process; one over it waits for a
   slot within its own deadline, then gets a 503 with Retry-After.
 Each refusal is a `MediaError` (400) naming the field. The fetch blocks its thread: callers
@@ -37,6 +38,7 @@ from urllib.parse import SplitResult, quote, urljoin, urlsplit
 
 import httpcore
 
+from lifeline.media.deadline_net import DeadlineBackend
 from lifeline.media.images import MediaError
 
 MAX_CONCURRENT_FETCHES = 4
@@ -46,7 +48,6 @@ _LOOKUPS = threading.BoundedSemaphore(MAX_CONCURRENT_FETCHES)
 """DNS lookups in flight: `getaddrinfo` has no timeout of its own, so each runs in a daemon
 thread that the fetch waits for only until its deadline; one that hangs keeps its slot, so
 hung lookups cannot pile up either."""
-_READ_BYTES = 64 << 10
 _TARGET_SAFE = "/%:@!$&'()*+,;=-._~"
 
 
@@ -185,7 +186,7 @@ def fetch_image(url: str, policy: FetchPolicy, *, param: str = "messages") -> by
                          code="unsupported_image_url")
     deadline = time.monotonic() + policy.timeout_s
     _checked_url(url, None, policy, param)  # a URL refused anyway waits for no slot
-    if not _SLOTS.acquire(timeout=policy.timeout_s):
+    if not _SLOTS.acquire(timeout=max(0.0, deadline - time.monotonic())):
         from lifeline.server.errors import APIError
 
         raise APIError(503, f"the server is already fetching {MAX_CONCURRENT_FETCHES} image "
@@ -257,7 +258,7 @@ def _get(parts: SplitResult, address: str, port: int, policy: FetchPolicy, deadl
                                target=target.encode())
     headers = [(b"Host", host_header.encode()), (b"Accept", b"image/*")]
     try:
-        with httpcore.ConnectionPool(network_backend=_DeadlineBackend(deadline)) as pool, \
+        with httpcore.ConnectionPool(network_backend=DeadlineBackend(deadline)) as pool, \
                 pool.stream("GET", request_url, headers=headers,
                             extensions={"sni_hostname": host}) as r:
             if r.status != 200:
@@ -291,115 +292,3 @@ def _header(response: httpcore.Response, name: bytes) -> str | None:
 
 def _timed_out(param: str) -> MediaError:
     return MediaError("fetching the image timed out", param=param, code="image_fetch_failed")
-
-
-class _DeadlineBackend(httpcore.NetworkBackend):
-    """httpcore's blocking sockets, each operation's timeout cut to what is left before
-    `deadline`, and TLS done over those same capped reads and writes: a timeout that httpcore
-    gives per operation becomes one for the whole fetch, however the host paces its bytes."""
-
-    def __init__(self, deadline: float):
-        self.deadline = deadline
-        self.inner = httpcore.SyncBackend()
-
-    def left(self, timeout: float | None, error: type[Exception]) -> float:
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise error("the fetch's deadline passed")
-        return left if timeout is None else min(timeout, left)
-
-    def connect_tcp(self, host: str, port: int, timeout: float | None = None,
-                    local_address: str | None = None,
-                    socket_options: Any = None) -> httpcore.NetworkStream:
-        stream = self.inner.connect_tcp(host, port, self.left(timeout, httpcore.ConnectTimeout),
-                                        local_address, socket_options)
-        return _DeadlineStream(stream, self)
-
-    def connect_unix_socket(self, path: str, timeout: float | None = None,
-                            socket_options: Any = None) -> httpcore.NetworkStream:
-        raise httpcore.UnsupportedProtocol("image fetches use TCP only")
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(min(seconds, max(0.0, self.deadline - time.monotonic())))
-
-
-class _DeadlineStream(httpcore.NetworkStream):
-    def __init__(self, inner: httpcore.NetworkStream, backend: _DeadlineBackend):
-        self.inner, self.backend = inner, backend
-
-    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        return self.inner.read(max_bytes, self.backend.left(timeout, httpcore.ReadTimeout))
-
-    def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        self.inner.write(buffer, self.backend.left(timeout, httpcore.WriteTimeout))
-
-    def close(self) -> None:
-        self.inner.close()
-
-    def start_tls(self, ssl_context: ssl.SSLContext, server_hostname: str | None = None,
-                  timeout: float | None = None) -> httpcore.NetworkStream:
-        try:
-            return _TLSStream(self, ssl_context, server_hostname)
-        except Exception:
-            self.close()
-            raise
-
-    def get_extra_info(self, info: str) -> Any:
-        return self.inner.get_extra_info(info)
-
-
-class _TLSStream(httpcore.NetworkStream):
-    """TLS over a `_DeadlineStream` through memory buffers: the handshake and every record
-    move by its capped reads and writes (a socket's own TLS would wait per `recv`, so a host
-    trickling its handshake could outlast the deadline)."""
-
-    def __init__(self, raw: _DeadlineStream, context: ssl.SSLContext, hostname: str | None):
-        self.raw = raw
-        self.incoming, self.outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
-        self.tls = context.wrap_bio(self.incoming, self.outgoing, server_hostname=hostname)
-        self._io(self.tls.do_handshake)
-
-    def _io(self, operation: Any, *args: Any) -> Any:
-        while True:
-            try:
-                result = operation(*args)
-            except ssl.SSLWantReadError:
-                self._flush()
-                data = self.raw.read(_READ_BYTES)
-                if data:
-                    self.incoming.write(data)
-                else:
-                    self.incoming.write_eof()
-                continue
-            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-                raise
-            except ssl.SSLError as exc:
-                raise httpcore.ConnectError(f"TLS failed ({exc.reason})") from None
-            self._flush()
-            return result
-
-    def _flush(self) -> None:
-        pending = self.outgoing.read()
-        if pending:
-            self.raw.write(pending)
-
-    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
-        try:
-            return self._io(self.tls.read, max_bytes)
-        except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
-            return b""
-
-    def write(self, buffer: bytes, timeout: float | None = None) -> None:
-        while buffer:
-            buffer = buffer[self._io(self.tls.write, buffer):]
-
-    def close(self) -> None:
-        self.raw.close()
-
-    def start_tls(self, *args: Any, **kwargs: Any) -> httpcore.NetworkStream:
-        raise httpcore.UnsupportedProtocol("TLS in TLS is not used by image fetches")
-
-    def get_extra_info(self, info: str) -> Any:
-        if info == "ssl_object":
-            return self.tls
-        return self.raw.get_extra_info(info)
