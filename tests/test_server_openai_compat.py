@@ -383,6 +383,33 @@ def test_usage_only_at_the_end_without_continuous(client):
     assert [c.usage is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
 
 
+# null is a field left out ------------------------------------------------------------------------
+
+NULLABLE = ("stream", "n", "temperature", "top_p", "presence_penalty", "frequency_penalty",
+            "logprobs", "stop", "seed", "user", "stream_options")
+"""Fields OpenAI's published schema marks nullable (found by benchmarks/fuzz_api.py: a null
+`stream`, `n` or `temperature` got 400 `invalid_value` here)."""
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_null_is_the_field_left_out(client, http, endpoint):
+    """The official client sends `None` as JSON null; OpenAI takes it as the default: one
+    choice, not streamed, and a body the raw request shows was sent with the nulls."""
+    nulls = {k: None for k in NULLABLE if endpoint == "chat" or k != "logprobs"}
+    if endpoint == "chat":
+        body = {"messages": [{"role": "user", "content": "Hi"}]}
+        r = client.chat.completions.create(model=MODEL, max_tokens=4, **body, **nulls)
+    else:
+        body = {"prompt": "Hello", "echo": None}
+        r = client.completions.create(model=MODEL, max_tokens=4, **body, **nulls)
+    assert len(r.choices) == 1 and r.usage.completion_tokens >= 1
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    raw = http.post(path, json={"model": MODEL, "max_tokens": 4, **body, **nulls})
+    assert raw.status_code == 200, raw.text
+    assert raw.headers["content-type"].startswith("application/json")
+    assert raw.json()["usage"]["completion_tokens"] >= 1
+
+
 # context_length_exceeded ------------------------------------------------------------------------
 
 def test_context_length_exceeded(small):

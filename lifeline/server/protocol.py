@@ -107,6 +107,19 @@ def _json_size(value: Any, budget: int) -> int:
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore", ser_json_inf_nan="null")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """`null` for a field with a default is the field left out, as OpenAI's API takes it
+        (its schema marks `stream`, `n`, `temperature`, `top_p`, ... nullable): the default, or
+        the server's sampling default, applies. A required field's `null` stays an error."""
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        drop = [k for k, v in data.items() if v is None and k in fields
+                and not fields[k].is_required() and fields[k].default is not None]
+        return {k: v for k, v in data.items() if k not in drop} if drop else data
+
 
 class StreamOptions(_Body):
     include_usage: bool = False
