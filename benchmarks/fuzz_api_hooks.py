@@ -54,6 +54,7 @@ def after_call(context, case, response):
         try:
             error = json.loads(response.text).get("error") or {}
             line["code"], line["param"] = error.get("code"), error.get("param")
+            line["message"] = str(error.get("message"))[:160]
         except (ValueError, AttributeError):
             line["code"] = "not JSON"
     if not (200 <= status < 300 or 400 <= status < 500):

@@ -386,28 +386,36 @@ def test_usage_only_at_the_end_without_continuous(client):
 # null is a field left out ------------------------------------------------------------------------
 
 NULLABLE = ("stream", "n", "temperature", "top_p", "presence_penalty", "frequency_penalty",
-            "logprobs", "stop", "seed", "user", "stream_options")
+            "logprobs", "stop", "seed", "user", "stream_options", "max_tokens")
 """Fields OpenAI's published schema marks nullable (found by benchmarks/fuzz_api.py: a null
-`stream`, `n` or `temperature` got 400 `invalid_value` here)."""
+`stream`, `n` or `temperature` got 400 `invalid_value` here, a null `max_tokens` a 400 whose
+message was a Python TypeError's)."""
 
 
 @pytest.mark.parametrize("endpoint", ["chat", "completions"])
 def test_null_is_the_field_left_out(client, http, endpoint):
     """The official client sends `None` as JSON null; OpenAI takes it as the default: one
-    choice, not streamed, and a body the raw request shows was sent with the nulls."""
+    choice, not streamed. A null `max_tokens` is none sent (the output is capped by
+    `max_completion_tokens` in chat, by `--default-max-tokens` in completions)."""
     nulls = {k: None for k in NULLABLE if endpoint == "chat" or k != "logprobs"}
     if endpoint == "chat":
-        body = {"messages": [{"role": "user", "content": "Hi"}]}
-        r = client.chat.completions.create(model=MODEL, max_tokens=4, **body, **nulls)
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_completion_tokens": 4}
+        r = client.chat.completions.create(model=MODEL, **body, **nulls)
+        path = "/v1/chat/completions"
     else:
-        body = {"prompt": "Hello", "echo": None}
-        r = client.completions.create(model=MODEL, max_tokens=4, **body, **nulls)
+        body = {"prompt": "Hello", "echo": None, "stop": ["\n"]}
+        r = client.completions.create(model=MODEL, **{**nulls, **body, "max_tokens": 4})
+        path = "/v1/completions"
     assert len(r.choices) == 1 and r.usage.completion_tokens >= 1
-    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
-    raw = http.post(path, json={"model": MODEL, "max_tokens": 4, **body, **nulls})
+    raw = http.post(path, json={"model": MODEL, **nulls, **body, "stop": None,
+                                **({} if endpoint == "chat" else {"max_tokens": 4})})
     assert raw.status_code == 200, raw.text
     assert raw.headers["content-type"].startswith("application/json")
     assert raw.json()["usage"]["completion_tokens"] >= 1
+    if endpoint == "chat":  # max_tokens null, nothing else: the server's default applies
+        raw = http.post(path, json={"model": MODEL, "messages": body["messages"],
+                                    "max_tokens": None, "stop": ["."], "temperature": 0})
+        assert raw.status_code == 200, raw.text
 
 
 # context_length_exceeded ------------------------------------------------------------------------

@@ -110,14 +110,15 @@ class _Body(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _null_is_unset(cls, data: Any) -> Any:
-        """`null` for a field with a default is the field left out, as OpenAI's API takes it
-        (its schema marks `stream`, `n`, `temperature`, `top_p`, ... nullable): the default, or
-        the server's sampling default, applies. A required field's `null` stays an error."""
+        """`null` for an optional field is the field left out, as OpenAI's API takes it (its
+        schema marks `stream`, `n`, `temperature`, `max_tokens`, ... nullable): the default, or
+        the server's sampling default, applies, and the field is not among those sent (a null
+        `max_tokens` is no explicit one). A required field's `null` stays an error."""
         if not isinstance(data, dict):
             return data
         fields = cls.model_fields
         drop = [k for k, v in data.items() if v is None and k in fields
-                and not fields[k].is_required() and fields[k].default is not None]
+                and not fields[k].is_required()]
         return {k: v for k, v in data.items() if k not in drop} if drop else data
 
 
