@@ -277,6 +277,9 @@ def exec_with_huge_pages() -> None:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.huge_pages and args.exec_allowed:
         exec_with_huge_pages()
+    from lifeline.engine.startup import mark_process_start
+
+    mark_process_start()  # a start's phases count from here (lifeline.engine.startup)
     if args.config is not None:
         return serve_gateway(args)
     if args.ray:

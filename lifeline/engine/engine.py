@@ -15,6 +15,7 @@ from lifeline.engine.kv_layout import KVLayout, plan_kv
 from lifeline.engine.request import FinishReason, Request, RequestError, RequestStatus
 from lifeline.engine.sampling_params import SamplingParams
 from lifeline.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from lifeline.engine.startup import Startup, count_compiles
 from lifeline.engine.step_log import StepLog, StepRecorder
 from lifeline.engine.stop import StopChecker
 from lifeline.engine.validation import ModelLimits, check_request
@@ -190,7 +191,14 @@ class LLMEngine:
         self._counter = itertools.count()
         self.step_errors = StepErrors()
         self.clock = time.perf_counter
-        self.warmup()
+        self.startup = Startup({"read_weights": loaded.load_seconds}
+                              if getattr(loaded, "load_seconds", None) is not None else {})
+        """Where this engine's start went, phase by phase (lifeline.engine.startup)."""
+        self.startup.merge(getattr(self.executor, "startup", None))
+        if self.compiled:
+            count_compiles()  # the warm-up's compiles, and any later one, are counted
+        with self.startup.phase("compile_warmup"):
+            self.warmup()
 
     def _model_executor(self, layout: KVLayout) -> Executor:
         from lifeline.engine.model_executor import ModelExecutor

@@ -13,7 +13,9 @@ from lifeline.engine.model_runner import ModelRunner, StepInputs
 from lifeline.engine.prompt_logprobs import gather_prompt_logprobs
 from lifeline.engine.sampler import Sampler, SamplerOutput, SamplingInput
 from lifeline.engine.scheduler import SchedulerOutput
+from lifeline.engine.startup import Startup
 from lifeline.model.device import gpu_dtype, place_model, runs_on_gpu
+from lifeline.model.native import native_ops
 from lifeline.model.weight_format import apply_weight_format
 
 if TYPE_CHECKING:
@@ -33,21 +35,29 @@ class ModelExecutor:
         the CPU, it runs the GPU's arithmetic there (tests)."""
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
+        self.startup = startup = Startup()
+        """The phases of the start spent here (lifeline.engine.startup)."""
         model = loaded.model
         if dtype is None and runs_on_gpu(config.device):
             dtype = gpu_dtype(config.weights)
         if dtype is not None:
-            place_model(model, config.device, dtype)
+            with startup.phase("weight_format"):
+                place_model(model, config.device, dtype)
             loaded.weight_format = f"{loaded.weight_format}->{config.weights}@{config.device}"
         else:
             model.to(config.device)
+            if config.weights != "fp32" or config.compile:
+                with startup.phase("native_ops"):
+                    native_ops()  # built or found here, so that the phases tell it apart
             if config.weights != "fp32":
-                apply_weight_format(model, config.weights)
+                with startup.phase("weight_format"):
+                    apply_weight_format(model, config.weights)
                 loaded.weight_format = f"{loaded.weight_format}->{config.weights}"
         self.dtype = dtype or torch.float32
         """The activations' and the KV pools' dtype."""
-        self.runner = ModelRunner(model, loaded.config, layout, kv_dtype=self.dtype,
-                                  device=config.device)
+        with startup.phase("kv_pools"):
+            self.runner = ModelRunner(model, loaded.config, layout, kv_dtype=self.dtype,
+                                      device=config.device)
         self.compiled = config.compile and self.runner.compile()
         """Whether the forward runs compiled (config.compile, where the model supports it)."""
         self.moe_stats = getattr(model, "moe_stats", None)

@@ -92,8 +92,10 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
     async def ready() -> JSONResponse:
         models = state.readiness()
         waiting = None if all(models.values()) else {"status": "waiting", "models": models}
+        started = {name: b.state.startup for name, b in state.backends.items()
+                   if getattr(getattr(b, "state", None), "startup", None)}
         return readiness(state.load_error, state.admission.draining, waiting,
-                         {"models": models})
+                         {"models": models, **({"startup_seconds": started} if started else {})})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,8 @@ class LoadedModel:
     weight_format: str
     vision: nn.Module | None = None
     """A vision-language model's tower (lifeline.model.vision.VisionTower)."""
+    load_seconds: float | None = None
+    """How long `load_model` took (read and dequantize), for the start-up's phases."""
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
@@ -219,6 +222,13 @@ def load_model(path: str | Path | None = None, dummy: bool = False,
     """A GGUF file, a Hugging Face directory, `preset:NAME` (random weights), or a model's name
     (lifeline.model.default.NAMED_MODELS: `gemma-3-270m`, `smollm2-135m-instruct`). `device`:
     where random weights are drawn (the device the engine will run on)."""
+    start = time.perf_counter()
+    loaded = _load_model(path, dummy, device)
+    loaded.load_seconds = time.perf_counter() - start
+    return loaded
+
+
+def _load_model(path: str | Path | None, dummy: bool, device: str | None) -> LoadedModel:
     if isinstance(path, str) and path.startswith("preset:"):
         return load_preset(path.removeprefix("preset:"), device=device)
     if path is None:

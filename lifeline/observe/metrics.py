@@ -122,6 +122,29 @@ class Metrics:
                     self._moe = _MoEMetrics(self.registry, self._model_name, moe)
                 self._moe.update(moe)
 
+    def set_startup(self, phases: dict[str, float], model: Any, compiles_at_ready: int) -> None:
+        """The start's phases (lifeline.engine.startup), the KV cache's size, and the compiles
+        since `/ready` (read at each scrape; process-wide, as Dynamo counts them)."""
+        from lifeline.engine.startup import compiles
+
+        startup = Gauge("lifeline:startup_seconds",
+                        "Seconds of the server's start by phase ('ready': all of it).",
+                        ["model_name", "phase"], registry=self.registry)
+        for phase, seconds in phases.items():
+            startup.labels(self._model_name, phase).set(seconds)
+        if model is not None and model.kv_pool_bytes is not None:
+            self._gauge("kv_cache_bytes_per_token",
+                        "K and V of every layer for one token, in the cache's format.",
+                        [self._model_name]).set(model.kv_bytes_per_token)
+            self._gauge("kv_cache_pool_bytes",
+                        "The KV pools' size (mapped; pages are held once written).",
+                        [self._model_name]).set(model.kv_pool_bytes)
+        if model is not None and model.startup is not None:
+            self._gauge("compiles_after_ready_total",
+                        "Dynamo compiles in this process since /ready (0 under any load once "
+                        "warmed up).", [self._model_name]).set_function(
+                lambda: compiles() - compiles_at_ready)
+
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its content type."""
         return generate_latest(self.registry), CONTENT_TYPE

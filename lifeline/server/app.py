@@ -135,6 +135,7 @@ async def _load(state: ServerState, client: EngineClient) -> None:
     except Exception as exc:  # noqa: BLE001 - whatever stops the load stops the server
         state.fail(exc)
         return
+    state.became_ready()
     state.admission.loading = False
 
 
@@ -160,7 +161,8 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/ready")
     async def ready() -> JSONResponse:
         return readiness(state.load_error, state.admission.draining,
-                         None if state.ready else {"status": "loading"}, {})
+                         None if state.ready else {"status": "loading"},
+                         {"startup_seconds": state.startup} if state.startup else {})
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -22,9 +22,11 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from lifeline.engine.engine import LLMEngine, RequestOutput
+from lifeline.engine.kv_layout import kv_bytes_per_token
 from lifeline.engine.request import RequestError, Timeline
 from lifeline.engine.sampling_params import SamplingParams
 from lifeline.engine.step_log import StepLog
@@ -314,7 +316,11 @@ def _model_info(engine: LLMEngine) -> ModelInfo:
         max_model_len=engine.max_model_len,
         max_model_len_limited_by=engine.max_model_len_reason, context_length=cfg.max_position,
         num_params=cfg.num_params(), num_active_params=cfg.num_active_params(),
-        weight_format=loaded.weight_format, vision=cfg.vision)
+        weight_format=loaded.weight_format, vision=cfg.vision,
+        kv_bytes_per_token=round(kv_bytes_per_token(cfg, engine.config.kv_dtype_bytes,
+                                                    cfg.num_layers)),
+        kv_pool_bytes=round(engine.kv_layout.total_bytes),
+        startup=MappingProxyType(engine.startup.ordered()))
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> bool:

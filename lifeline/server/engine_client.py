@@ -44,6 +44,12 @@ class ModelInfo:
     weight_format: str
     vision: Any = None
     """A vision-language model's `VisionSpec` (lifeline.model.config); None: text only."""
+    kv_bytes_per_token: int | None = None
+    """K and V of every layer for one token, in the pools' format."""
+    kv_pool_bytes: int | None = None
+    """The KV pools' size (every cache group's blocks)."""
+    startup: Any = None
+    """Phase -> seconds of the engine's start (lifeline.engine.startup); None: not known."""
 
     @property
     def limits(self) -> ModelLimits:

@@ -121,6 +121,10 @@ class ServerState:
     """The last finished requests, for the debug endpoints and the dashboard."""
     viewers: set = field(default_factory=set)
     """Open `/dashboard/events` streams."""
+    built_at: float = field(default_factory=time.time)
+    startup: dict[str, float] | None = None
+    """Phase -> seconds of the start, once ready (`became_ready`)."""
+    compiles_at_ready: int = 0
 
     @classmethod
     def build(cls, loaded: LoadedModel | None, config: ServerConfig) -> ServerState:
@@ -142,6 +146,29 @@ class ServerState:
         self.token_text = TokenText(client.tokenizer)
         self.client = client
         freeze_startup_heap()
+
+    def became_ready(self) -> None:
+        """The load ended: the start's phases (lifeline.engine.startup) go to the log and
+        `/metrics`, and the compiles made so far are the baseline of those after `/ready`."""
+        from lifeline.engine.startup import compiles, marked_process_start
+
+        start = marked_process_start() or self.built_at
+        phases = dict(self.model.startup or {}) if self.model else {}
+        total = time.time() - start
+        phases["other"] = max(0.0, total - sum(phases.values()))
+        phases["ready"] = total
+        self.startup = phases
+        self.compiles_at_ready = compiles() if self.model and self.model.startup else 0
+        self.metrics.set_startup(phases, self.model, self.compiles_at_ready)
+        parts = ", ".join(f"{name.replace('_', ' ')} {s:.1f} s" for name, s in phases.items()
+                          if name != "ready")
+        log.info("ready %.1f s after %s (%s)", total,
+                 "the process started" if marked_process_start() else "the server was built",
+                 parts)
+        if self.model is not None and self.model.kv_pool_bytes is not None:
+            log.info("KV cache: %d bytes a token (every layer's K and V), pools of %.0f MiB "
+                     "mapped, held as they are written", self.model.kv_bytes_per_token,
+                     self.model.kv_pool_bytes / 2**20)
 
     def fail(self, exc: BaseException) -> None:
         """The model could not be loaded: say why on stderr and stop the server."""
