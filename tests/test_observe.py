@@ -213,6 +213,9 @@ def sample(metrics: Metrics, name: str, **labels) -> float:
 def test_metrics_render_every_documented_name_and_nothing_undocumented():
     metrics = Metrics("m")
     metrics.observe(record())
+    # what the server sets once ready: the start's phases, the KV cache's size, the compiles
+    metrics.set_startup({"ready": 1.0}, SimpleNamespace(kv_bytes_per_token=8, kv_pool_bytes=64,
+                                                        startup={}), 0)
     body, content_type = metrics.render()
     assert content_type.startswith("text/plain")
     text = body.decode()
@@ -220,7 +223,7 @@ def test_metrics_render_every_documented_name_and_nothing_undocumented():
     families = {f.removesuffix("_total") for f in families if not f.endswith("_created")}
     documented = documented_metric_names()
     moe_only = moe_metric_names(documented)
-    assert len(documented) == 26 and len(moe_only) == 5
+    assert len(documented) == 30 and len(moe_only) == 5
     dense = documented - moe_only  # a dense model's engine has no MoE series
     for name in dense:
         assert re.search(rf"^{re.escape(name)}(_count|_bucket)?[{{ ]", text, re.MULTILINE), name
