@@ -124,7 +124,6 @@ class ServerState:
     built_at: float = field(default_factory=time.time)
     startup: dict[str, float] | None = None
     """Phase -> seconds of the start, once ready (`became_ready`)."""
-    compiles_at_ready: int = 0
 
     @classmethod
     def build(cls, loaded: LoadedModel | None, config: ServerConfig) -> ServerState:
@@ -158,12 +157,12 @@ class ServerState:
         phases["other"] = max(0.0, total - sum(phases.values()))
         phases["ready"] = total
         self.startup = phases
-        self.compiles_at_ready = compiles() if self.model and self.model.startup else 0
-        self.metrics.set_startup(phases, self.model, self.compiles_at_ready)
+        baseline = compiles() if self.model and self.model.startup else 0
+        self.metrics.set_startup(phases, self.model, baseline)
         parts = ", ".join(f"{name.replace('_', ' ')} {s:.1f} s" for name, s in phases.items()
                           if name != "ready")
         log.info("ready %.1f s after %s (%s)", total,
-                 "the process started" if marked_process_start() else "the server was built",
+                 "the server was built" if start == self.built_at else "the process started",
                  parts)
         if self.model is not None and self.model.kv_pool_bytes is not None:
             log.info("KV cache: %d bytes a token (every layer's K and V), pools of %.0f MiB "
