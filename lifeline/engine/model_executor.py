@@ -16,7 +16,7 @@ from lifeline.engine.scheduler import SchedulerOutput
 from lifeline.engine.startup import Startup
 from lifeline.model.device import gpu_dtype, place_model, runs_on_gpu
 from lifeline.model.native import native_ops
-from lifeline.model.weight_format import apply_weight_format
+from lifeline.model.weight_format import apply_weight_format, release_freed_memory
 
 if TYPE_CHECKING:
     from lifeline.engine.engine import EngineConfig
@@ -52,6 +52,7 @@ class ModelExecutor:
             if config.weights != "fp32":
                 with startup.phase("weight_format"):
                     apply_weight_format(model, config.weights)
+                    release_freed_memory()
                 loaded.weight_format = f"{loaded.weight_format}->{config.weights}"
         self.dtype = dtype or torch.float32
         """The activations' and the KV pools' dtype."""

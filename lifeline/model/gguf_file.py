@@ -1,6 +1,7 @@
 """A memory-mapped GGUF file: metadata as plain Python values, tensors dequantized to torch."""
 from __future__ import annotations
 
+import mmap
 import os
 from typing import Any
 
@@ -64,6 +65,18 @@ class GGUFFile:
     def load(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         data, qtype, shape = self.raw(name)
         return dequantize(data, qtype, name).reshape(shape).to(dtype)
+
+    def release_pages(self) -> None:
+        """Drop the file's pages from this process's resident memory once its tensors are
+        read (`MADV_DONTNEED` on the read-only mapping: they stay in the page cache, and a
+        later read, such as an embedding row read as stored, faults its page back). Without
+        it the whole file, read once to dequantize, counts in the server's RSS for good."""
+        mapping = getattr(self.reader.data, "_mmap", None)
+        if mapping is not None and hasattr(mapping, "madvise"):
+            try:
+                mapping.madvise(mmap.MADV_DONTNEED)
+            except (OSError, ValueError):
+                pass
 
     def __contains__(self, name: str) -> bool:
         return name in self._tensors

@@ -15,6 +15,7 @@ from lifeline.model import registry
 from lifeline.model.config import ModelConfig, config_from_gguf_header, config_from_hf
 from lifeline.model.default import default_model_path, named_model_path
 from lifeline.model.gguf_file import GGUFFile
+from lifeline.model.gguf_rows import StoredTensor
 from lifeline.model.presets import preset_config
 from lifeline.model.registry import build_model
 from lifeline.tokenizer import GGUFTokenizer, HFTokenizer
@@ -129,6 +130,19 @@ def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
         w.shape)
 
 
+def _stored_tensors(gf: GGUFFile) -> dict[str, StoredTensor]:
+    """The vocabulary tensors the GGUF kernels can read as stored, by our parameter names: a
+    weight format may then drop their float32 copies (lifeline.model.gguf_rows)."""
+    stored = {}
+    for gguf_name, name in (("token_embd.weight", "embed_tokens.weight"),
+                            ("output.weight", "lm_head.weight")):
+        if gguf_name in gf:
+            tensor = StoredTensor.from_file(*gf.raw(gguf_name))
+            if tensor is not None:
+                stored[name] = tensor
+    return stored
+
+
 def load_gguf(path: str | Path, dummy: bool = False, device: str | None = None
               ) -> LoadedModel:
     """`device`: where dummy weights are drawn (`init_dummy_weights`); real ones are
@@ -140,6 +154,8 @@ def load_gguf(path: str | Path, dummy: bool = False, device: str | None = None
         init_dummy_weights(model, device=device)
     else:
         load_weights(model, _gguf_weights(gf, cfg))
+        model.stored_tensors = _stored_tensors(gf)
+        gf.release_pages()
     tokenizer = GGUFTokenizer.from_gguf_reader(gf.reader)
     types = sorted({gf.tensor_type(n).name for n in gf.tensor_names})
     return LoadedModel(model.eval(), cfg, tokenizer, str(path), "gguf:" + "+".join(types))

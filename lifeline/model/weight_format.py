@@ -44,6 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from lifeline.model.gguf_rows import StoredEmbedding, StoredTensor
 from lifeline.model.layers.linear import FusedProjections
 from lifeline.model.registry import family_of
 
@@ -71,7 +72,8 @@ class BF16Linear(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1]).float()
         y = F.linear(x.to(torch.bfloat16), self.weight_bf16).float()
-        y, argmax = rescore(y, x, self.weight, self.bias, self.rescore_top, with_argmax)
+        y, argmax = rescore(y, x, self.weight.__getitem__, self.bias, self.rescore_top,
+                            with_argmax)
         y = y.reshape(*shape[:-1], self.weight.shape[0])
         return (y, argmax) if with_argmax else y
 
@@ -84,10 +86,13 @@ class Int8Linear(nn.Module):
     real arithmetic): the rotation spreads a row's outlier channels over its block before the
     activations are quantized (QuaRot, arXiv:2404.00456), and is applied to each call's input."""
 
-    def __init__(self, linear: nn.Linear, rescore_top: int = RESCORE_TOP, rotate: int = 0):
+    def __init__(self, linear: nn.Linear, rescore_top: int = RESCORE_TOP, rotate: int = 0,
+                 stored: StoredTensor | None = None):
         super().__init__()
-        # the float32 rows are kept only for rescoring
-        self.weight = linear.weight if rescore_top else None
+        # the float32 rows are kept only for rescoring, and not at all where the file's own
+        # blocks can give them (`stored`: the same values, lifeline.model.gguf_rows)
+        self.weight = linear.weight if rescore_top and stored is None else None
+        self.stored = stored if rescore_top else None
         self.bias = linear.bias
         weight = linear.weight.detach().float()
         self.rotation = hadamard(rotate) if rotate else None
@@ -122,7 +127,9 @@ class Int8Linear(nn.Module):
             y = self._traced_int8_matmul(x)
         else:
             y = self.int8_matmul(x)
-        y, argmax = rescore(y, x, self.weight, self.bias, self.rescore_top, with_argmax)
+        rows = self.stored.rows if self.stored is not None else (
+            self.weight.__getitem__ if self.weight is not None else None)
+        y, argmax = rescore(y, x, rows, self.bias, self.rescore_top, with_argmax)
         y = y.reshape(*shape[:-1], self.out_features)
         return (y, argmax) if with_argmax else y
 
@@ -231,17 +238,18 @@ def has_shortlist(head: nn.Module) -> bool:
     return isinstance(head, (BF16Linear, Int8Linear)) and head.rescore_top > 0
 
 
-def rescore(y: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+def rescore(y: torch.Tensor, x: torch.Tensor,
+            rows: Callable[[torch.Tensor], torch.Tensor] | None, bias: torch.Tensor | None,
             top: int, with_argmax: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits `y` [B, V] of hidden states `x` [B, H], bias added, with each row's `top` highest
-    recomputed exactly from the float32 `weight` rows; with `with_argmax`, also each row's
-    argmax where the shortlist proves it (`shortlist_argmax`), else None."""
+    recomputed exactly from the float32 weight rows `rows(ids)` gives; with `with_argmax`,
+    also each row's argmax where the shortlist proves it (`shortlist_argmax`), else None."""
     if bias is not None:
         y += bias
     argmax = None
-    if top:
+    if top and rows is not None:
         approx, ids = top_logits(y, top)
-        exact = torch.bmm(weight[ids], x.unsqueeze(-1)).squeeze(-1)
+        exact = torch.bmm(rows(ids), x.unsqueeze(-1)).squeeze(-1)
         if bias is not None:
             exact = exact + bias[ids]
         y.scatter_(1, ids, exact)
@@ -345,7 +353,10 @@ def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
         if head.weight.device.type != "cpu":
             raise ValueError("int8 weights run on the CPU only (fbgemm)")
         rotate = rotation_block(head.in_features) if fmt == "int8-all" else 0
-        model.lm_head = Int8Linear(head, rotate=rotate)
+        stored = _stored(model, head)
+        model.lm_head = Int8Linear(head, rotate=rotate, stored=stored.get("lm_head.weight"))
+        if "embed_tokens.weight" in stored:
+            model.embed_tokens = StoredEmbedding(stored["embed_tokens.weight"])
     if fmt == "int8-all":
         fusable = family_of(model).fused
         for layer in model.layers:
@@ -358,6 +369,22 @@ def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
                         rotate = 0 if name in folded else rotation_block(child.in_features)
                         setattr(parent, name, Int8Linear(child, rescore_top=0, rotate=rotate))
     return model
+
+
+def _stored(model: nn.Module, head: nn.Module) -> dict[str, StoredTensor]:
+    """The model's vocabulary tensors as the GGUF file stores them (`load_gguf`), by parameter
+    name, where they hold the values now in the float32 parameters: the head's rows are the
+    embedding's where the two are tied."""
+    stored = dict(getattr(model, "stored_tensors", None) or {})
+    embed = getattr(model, "embed_tokens", None)
+    if embed is None or getattr(embed, "weight", None) is None:
+        stored.pop("embed_tokens.weight", None)
+    elif head.weight is embed.weight and "embed_tokens.weight" in stored:
+        stored["lm_head.weight"] = stored["embed_tokens.weight"]
+    if embed is not None and getattr(embed, "weight", None) is not None and \
+            embed.weight.device.type != "cpu":
+        return {}
+    return stored
 
 
 FOLD_BLOCK = 256
@@ -407,3 +434,18 @@ def _fuse(parent: nn.Module, fused: str, names: tuple[str, ...]) -> None:
                                             [part.out_features for part in parts]))
     for name in names:
         delattr(parent, name)
+
+
+def release_freed_memory() -> None:
+    """Collect what a weight format left unreferenced (the float32 copies it replaced) and hand
+    the allocator's free pages back to the system (glibc's `malloc_trim`): the float32
+    weights were freed into the heap, which keeps them resident otherwise (1.3 GB of
+    Gemma 3 270M's heap after `int8-all`). Nothing where the C library has no such call."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (AttributeError, OSError):
+        pass

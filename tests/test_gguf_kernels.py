@@ -1,0 +1,103 @@
+"""The GGUF block kernels (lifeline/csrc/gguf_ops.cpp) against a dequantize-then-matmul
+reference (gguf-py's own dequantization), for every block type they take, odd shapes, and
+every kernel path this CPU offers with the faster ones forced off."""
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
+
+from lifeline.model.native import gguf_ops
+
+TYPES = [T.Q4_0, T.Q4_1, T.Q5_0, T.Q8_0, T.Q4_K, T.Q5_K, T.Q6_K]
+PATHS = {0: "portable", 1: "avx2", 2: "avx-vnni", 3: "avx512-vnni"}
+FP16_FIELDS = {T.Q4_0: (0,), T.Q4_1: (0, 2), T.Q5_0: (0,), T.Q8_0: (0,),
+               T.Q4_K: (0, 2), T.Q5_K: (0, 2), T.Q6_K: (208,)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert gguf_ops(), "the GGUF kernels did not build (see the warning)"
+    yield
+    torch.ops.lifeline_gguf.gguf_force_path(-1)
+
+
+def random_blocks(qtype: T, rows: int, cols: int, seed: int = 0) -> torch.Tensor:
+    """Random quants with finite, modest fp16 scales: every bit pattern of the quants occurs."""
+    block, size = GGML_QUANT_SIZES[qtype]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, size=(rows, cols // block, size), dtype=np.uint8)
+    for at in FP16_FIELDS[qtype]:
+        raw[..., at:at + 2] = rng.uniform(-0.02, 0.02, size=raw.shape[:2]).astype(
+            np.float16)[..., None].view(np.uint8)
+    return torch.from_numpy(raw.reshape(rows, -1).copy())
+
+
+def dequantized(w: torch.Tensor, qtype: T, cols: int) -> torch.Tensor:
+    values = gguf.quants.dequantize(w.numpy(), qtype)
+    return torch.from_numpy(np.array(values, dtype=np.float64)).reshape(w.shape[0], cols)
+
+
+def q8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels see it: int8 with one scale per 32 values (round half away from zero
+    vs to even differs only at exact halves, which random floats do not hit)."""
+    blocks = x.double().reshape(x.shape[0], -1, 32)
+    scale = blocks.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(scale > 0, blocks / scale, 0).round()
+    return (q * scale).reshape(x.shape)
+
+
+def available_paths() -> list[int]:
+    best = torch.ops.lifeline_gguf.gguf_force_path(-1)
+    return list(range(best + 1))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows,batch", [(1, 1), (7, 1), (33, 3), (64, 17)])
+def test_gguf_linear_is_the_dequantized_product_on_every_path(qtype, rows, batch):
+    block = GGML_QUANT_SIZES[qtype][0]
+    cols = 2 * block if block == 256 else 5 * block  # not a multiple of the other block size
+    w = random_blocks(qtype, rows, cols, seed=rows)
+    x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch))
+    exact = q8_activations(x) @ dequantized(w, qtype, cols).T
+    loose = x.double() @ dequantized(w, qtype, cols).T
+    magnitude = (x.double().abs() @ dequantized(w, qtype, cols).abs().T).norm()
+    for path in available_paths():
+        assert torch.ops.lifeline_gguf.gguf_force_path(path) == path
+        y = torch.ops.lifeline_gguf.gguf_linear(x, w, int(qtype), rows)
+        assert y.shape == (batch, rows) and y.dtype == torch.float32
+        torch.testing.assert_close(y.double(), exact, rtol=1e-4, atol=1e-4 * exact.abs().max(),
+                                   msg=lambda m: f"{PATHS[path]}: {m}")
+        # and the activations' quantization costs little against the float product
+        rel = (y.double() - loose).norm() / magnitude
+        assert rel < 0.01, f"{PATHS[path]}: {rel:.4f} of the products' magnitude"
+    torch.ops.lifeline_gguf.gguf_force_path(-1)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_gguf_get_rows_is_the_dequantized_rows(qtype):
+    block = GGML_QUANT_SIZES[qtype][0]
+    cols = 2 * block if block == 256 else 3 * block
+    w = random_blocks(qtype, 10, cols)
+    ids = torch.tensor([[9, 0], [3, 3]])
+    rows = torch.ops.lifeline_gguf.gguf_get_rows(w, int(qtype), ids, cols)
+    assert rows.shape == (2, 2, cols)
+    torch.testing.assert_close(rows.double(), dequantized(w, qtype, cols)[ids], rtol=1e-6, atol=1e-7)
+
+
+def test_bad_shapes_and_types_are_errors_not_crashes():
+    w = random_blocks(T.Q8_0, 4, 64)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="unsupported GGML type"):
+        torch.ops.lifeline_gguf.gguf_linear(x, w, int(T.Q2_K), 4)
+    with pytest.raises(RuntimeError, match="bytes"):
+        torch.ops.lifeline_gguf.gguf_linear(torch.randn(2, 96), w, int(T.Q8_0), 4)
+    with pytest.raises(RuntimeError, match="whole number of blocks"):
+        torch.ops.lifeline_gguf.gguf_linear(torch.randn(2, 40), w, int(T.Q8_0), 4)
+    with pytest.raises(RuntimeError, match="out of"):
+        torch.ops.lifeline_gguf.gguf_get_rows(w, int(T.Q8_0), torch.tensor([4]), 64)
+    with pytest.raises(RuntimeError, match="out of"):
+        torch.ops.lifeline_gguf.gguf_get_rows(w, int(T.Q8_0), torch.tensor([-1]), 64)
