@@ -228,3 +228,19 @@ def test_top_logits_by_chunks_finds_the_same_tokens_as_topk():
     assert torch.equal(y.gather(1, ids), values)
     odd = torch.randn(2, 1000, generator=gen)  # not a whole number of chunks: plain topk
     assert torch.equal(top_logits(odd, 8)[1].sort(-1).values, odd.topk(8)[1].sort(-1).values)
+
+
+def test_one_loaded_gguf_model_behind_two_engines_is_formatted_once():
+    """A gateway may put one loaded model behind two backends: the second engine finds the
+    weights already in its format (the head reads the file's rows, its float32 copy gone) and
+    gives the same tokens; another format on the same weights is refused, not stacked."""
+    from lifeline.model.default import smollm2_model_path
+
+    loaded = load_model(smollm2_model_path())
+    params = SamplingParams(max_tokens=12, temperature=0.0)
+    first = LLM(loaded, weights="int8-all").generate("The capital of France is", params)
+    second = LLM(loaded, weights="int8-all").generate("The capital of France is", params)
+    assert first[0].token_ids == second[0].token_ids
+    assert loaded.weight_format.count("->int8-all") == 1, loaded.weight_format
+    with pytest.raises(ValueError, match="already int8-all"):
+        LLM(loaded, weights="bf16")

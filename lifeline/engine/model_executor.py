@@ -53,7 +53,8 @@ class ModelExecutor:
                 with startup.phase("weight_format"):
                     apply_weight_format(model, config.weights)
                     release_freed_memory()
-                loaded.weight_format = f"{loaded.weight_format}->{config.weights}"
+                if not loaded.weight_format.endswith(f"->{config.weights}"):
+                    loaded.weight_format = f"{loaded.weight_format}->{config.weights}"
         self.dtype = dtype or torch.float32
         """The activations' and the KV pools' dtype."""
         with startup.phase("kv_pools"):

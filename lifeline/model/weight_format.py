@@ -346,6 +346,11 @@ def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
     than its bytes."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; choose from {WEIGHT_FORMATS}")
+    done = getattr(model, "applied_weight_format", None)
+    if done == fmt:  # one loaded model behind two engines (a gateway's two backends)
+        return model
+    if done is not None:
+        raise ValueError(f"this model's weights are already {done}; load it again for {fmt}")
     head = model.lm_head
     if fmt == "bf16":
         model.lm_head = BF16Linear(head)
@@ -368,6 +373,8 @@ def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
                     if type(child) is nn.Linear:
                         rotate = 0 if name in folded else rotation_block(child.in_features)
                         setattr(parent, name, Int8Linear(child, rescore_top=0, rotate=rotate))
+    if fmt != "fp32":
+        model.applied_weight_format = fmt
     return model
 
 
