@@ -84,6 +84,15 @@ class Server:
         self.__exit__()
         raise RuntimeError(f"{self.name} did not become ready in 300 s; see {self.log}")
 
+    def resident_mib(self) -> dict[str, float]:
+        """The server process's resident memory now and at its peak (/proc, MiB)."""
+        fields = {}
+        for line in Path(f"/proc/{self.proc.pid}/status").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                fields["rss" if key == "VmRSS" else "peak"] = int(value.split()[0]) / 1024
+        return fields
+
     def __exit__(self, *exc: object) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()
@@ -102,10 +111,15 @@ def llama_server(binary: Path, model: Path, slots: int, ctx: int) -> Server:
     return Server(f"llama.cpp -np {slots}", argv, port, "/health", env)
 
 
-def lifeline_server(model: Path, weights: str | None, extra: list[str] = ()) -> Server:
+def lifeline_server(model: Path, weights: str | None, extra: list[str] = (),
+                    slots: int | None = None, ctx: int | None = None) -> Server:
+    """`lifeline serve` with llama.cpp's `-np` and `-c` where given: as many running requests
+    (`--max-num-seqs`) and a KV cache sized by need for the same context (`--max-model-len`)."""
     port = free_port()
+    same = ([*(["--max-num-seqs", str(slots)] if slots else []),
+             *(["--max-model-len", str(ctx)] if ctx else [])])
     argv = [sys.executable, "-m", "lifeline.cli", "serve", "--model", str(model), "--port",
-            str(port), *(["--weights", weights] if weights else []), *extra]
+            str(port), *(["--weights", weights] if weights else []), *same, *extra]
     env = {"OMP_NUM_THREADS": str(THREADS), "PYTHONPATH": str(ROOT)}
     label = "lifeline" + (" " + " ".join(extra) if extra else "")
     return Server(label, argv, port, "/ready", env)
@@ -171,20 +185,24 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         spec = runs[name]
         servers = [("llama.cpp", lambda s=spec: llama_server(args.llama_server, args.model,
                                                               s["np"], s["ctx"])),
-                   ("lifeline", lambda: lifeline_server(args.model, args.weights))]
+                   ("lifeline", lambda s=spec: lifeline_server(args.model, args.weights,
+                                                               slots=s["np"], ctx=s["ctx"]))]
         if args.lifeline_only:
             servers = servers[1:]
         if name == "prefix":
-            servers.append(("lifeline, no prefix cache", lambda: lifeline_server(
-                args.model, args.weights, ["--no-prefix-caching"])))
-        figures = {}
+            servers.append(("lifeline, no prefix cache", lambda s=spec: lifeline_server(
+                args.model, args.weights, ["--no-prefix-caching"], s["np"], s["ctx"])))
+        figures, memory = {}, {}
         for label, make in servers:
             console.print(f"[bold]{name}[/]: {label} …")
             started = time.monotonic()
             with make() as server:
                 figures[label] = _figures(name, bench(server, spec["args"]))
-            console.print(f"  {figures[label]} ({time.monotonic() - started:.0f} s)")
-        rows.append({"workload": name, "bench_args": spec["args"], "figures": figures})
+                memory[label] = server.resident_mib()
+            console.print(f"  {figures[label]}, {memory[label]} MiB "
+                          f"({time.monotonic() - started:.0f} s)")
+        rows.append({"workload": name, "bench_args": spec["args"], "figures": figures,
+                     "resident_mib": memory})
     return rows
 
 
@@ -212,6 +230,11 @@ def table(rows: list[dict[str, Any]]) -> None:
                  if other else "")
         t.add_row(row["workload"], key, _fmt(theirs), _fmt(ours),
                   _ratio(row["workload"], ours, theirs), extra)
+        mem = row.get("resident_mib") or {}
+        theirs, ours = mem.get("llama.cpp", {}).get("rss"), mem.get("lifeline", {}).get("rss")
+        t.add_row("", "RSS after, MiB", _fmt(theirs), _fmt(ours),
+                  f"{ours / theirs:.2f}× theirs" if ours and theirs else "-",
+                  "peak " + ", ".join(f"{k} {v.get('peak', 0):,.0f}" for k, v in mem.items()))
     Console(width=140).print(t)
 
 

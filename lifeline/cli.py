@@ -14,6 +14,8 @@ from lifeline.plan.command import cmd_plan
 
 WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int8-all")
 """lifeline.model.weight_format.WEIGHT_FORMATS, repeated so that parsing flags needs no torch."""
+KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "f16", "float16", "float32", "fp16", "fp32")
+"""lifeline.engine.engine.KV_CACHE_DTYPES's names, repeated for the same reason."""
 
 if TYPE_CHECKING:
     from lifeline.server.config import ServerConfig
@@ -23,6 +25,12 @@ DEFAULT_WEIGHTS = "int8-all"
 perplexity that passes the engine core's llama.cpp agreement test (int8 weights everywhere,
 per-row activation scales; docs/performance.md). The Python API (`LLM`, `EngineConfig`) keeps
 float32, the exact reference path."""
+
+DEFAULT_KV_CACHE_DTYPE = "fp16"
+"""The command line's KV cache format on the CPU: llama.cpp's default, half the float32 pools'
+memory, the same perplexity to four places and as many of llama.cpp's greedy texts reproduced
+on both real models (benchmarks/kv_cache_dtype.py, docs/performance.md). The Python API keeps
+float32 ('auto'); on a GPU the command line does too (the activations' bf16)."""
 
 MODEL_HELP = ("GGUF file, HF directory, or preset:NAME (random weights, token-id prompts; "
               "lifeline/model/presets.py) (default: Gemma 3 270M)")
@@ -49,7 +57,8 @@ def _generate_parser(sub: argparse._SubParsersAction) -> None:
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9,
           "gb": 10**9, "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,
           "gib": 1 << 30, "tib": 1 << 40}
-DEFAULT_KV_CACHE_BYTES = 2 << 30
+DEFAULT_KV_CACHE_BYTES: int | None = None
+"""None: the KV pools sized by need (EngineConfig.kv_cache_memory_bytes)."""
 
 
 def parse_bytes(text: str) -> int:
@@ -91,6 +100,13 @@ def device_problem(device: str) -> str | None:
     return None
 
 
+def kv_cache_dtype_for(args: argparse.Namespace) -> str:
+    """`--kv-cache-dtype`, or the command line's default for the device."""
+    if args.kv_cache_dtype is not None:
+        return args.kv_cache_dtype
+    return DEFAULT_KV_CACHE_DTYPE if args.device == "cpu" else "auto"
+
+
 def weights_for(args: argparse.Namespace) -> str | None:
     """`--weights`, or the command line's default on the CPU (None: the device's own)."""
     if args.weights is not None or args.device != "cpu":
@@ -100,8 +116,13 @@ def weights_for(args: argparse.Namespace) -> str | None:
 
 def _kv_cache_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-bytes", type=parse_bytes, default=DEFAULT_KV_CACHE_BYTES,
-                   help="memory for the KV cache, e.g. 512MiB or 4GiB (default 2GiB); the "
-                        "context is clamped to what it holds")
+                   help="memory for the KV cache, e.g. 512MiB or 4GiB (default: by need, the "
+                        "served context length shared by the running requests, sliding-window "
+                        "layers holding their windows); the context is clamped to what it holds")
+    p.add_argument("--kv-cache-dtype", default=None, choices=KV_CACHE_DTYPES,
+                   help="the KV cache's format: fp32, bf16, fp16 or auto (the activations': "
+                        "fp32 on the CPU, bf16 on a GPU) (default: fp16 on the CPU, auto on a "
+                        "GPU)")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -126,7 +147,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
         llm = LLM(args.model, enable_prefix_caching=not args.no_prefix_caching,
                   max_num_batched_tokens=args.max_num_batched_tokens,
                   weights=weights_for(args), device=args.device,
-                  kv_cache_memory_bytes=args.kv_cache_memory_bytes)
+                  kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                  kv_cache_dtype=kv_cache_dtype_for(args))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_p=args.top_p, top_k=args.top_k, seed=args.seed, stop=args.stop,
                             ignore_eos=args.ignore_eos)
@@ -462,6 +484,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
                           max_model_len=args.max_model_len,
                           enable_prefix_caching=not args.no_prefix_caching,
                           kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+                          kv_cache_dtype=kv_cache_dtype_for(args),
                           weights=weights_for(args), device=args.device,
                           compile=args.compile,
                           step_log_size=args.step_log_size)

@@ -135,6 +135,80 @@ def test_memory_budget_gives_the_global_layers_what_the_window_does_not_need():
     assert full.num_blocks > 2.5 * flat.groups[0].num_blocks
 
 
+@pytest.mark.parametrize("context,seqs", [(16384, 16), (32768, 64), (2048, 64)])
+def test_kv_sized_by_need_holds_what_llamacpp_allocates_for_the_same_context(context, seqs):
+    """No budget given: the global layers hold the served context (shared by the requests, as
+    llama-server's `-c`), the window layers llama.cpp's iSWA cache, `min(n_ctx, n_swa * n_seq
+    + n_ubatch)` tokens (llama-kv-cache-iswa.cpp), plus our two blocks a request of slack."""
+    cfg = preset_config("gemma-3-270m")
+    layout = plan_kv(cfg, 16, context_tokens=context, max_num_seqs=seqs,
+                     max_num_batched_tokens=512, dtype_bytes=2)
+    full, window = layout.groups
+    assert full.num_blocks * 16 == context
+    llamacpp_swa_tokens = min(context, cfg.sliding_window * seqs + 512)
+    assert llamacpp_swa_tokens <= window.num_blocks * 16 <= llamacpp_swa_tokens + seqs * 2 * 16
+    assert window.num_blocks <= full.num_blocks
+    per_token_layer = kv_bytes_per_token(cfg, 2)
+    llamacpp_bytes = per_token_layer * (3 * context + 15 * llamacpp_swa_tokens)
+    assert llamacpp_bytes <= layout.total_bytes <= 1.1 * llamacpp_bytes
+    assert layout.manager(True, 512).capacity_tokens() >= context
+    # a model whose layers are all global: the context, nothing more
+    flat = plan_kv(preset_config("llama-3.1-8b"), 16, context_tokens=context, max_num_seqs=seqs)
+    assert not flat.hybrid and flat.groups[0].num_blocks * 16 == context
+
+
+def test_the_engine_default_serves_the_whole_context_without_a_budget():
+    """`EngineConfig()` gives no KV budget: the pool holds the served context, so the context
+    is never clamped by the cache (it was, at the old 2 GiB default, for long-context models)."""
+    from lifeline.engine.engine import EngineConfig, LLMEngine
+    from lifeline.engine.executor import Executor
+
+    class Nothing(Executor):  # the pool's sizing only: no step runs
+        compiled = False
+
+        def __init__(self, layout):
+            self.layout = layout
+
+        def execute(self, scheduled):
+            raise AssertionError("no step runs here")
+
+    class Loaded:
+        config = preset_config("gemma-3-270m")
+        tokenizer = None
+
+    engine = LLMEngine(Loaded(), EngineConfig(max_model_len=8192), executor=Nothing)
+    full, window = engine.kv_layout.groups
+    assert full.num_blocks * 16 == 8192 and engine.max_model_len_reason != "kv_cache"
+    assert engine.config.kv_dtype_bytes == 4
+    half = LLMEngine(Loaded(), EngineConfig(max_model_len=8192, kv_cache_dtype="fp16"),
+                     executor=Nothing)
+    assert half.kv_layout.total_bytes * 2 == engine.kv_layout.total_bytes
+
+
+def test_a_block_no_prefix_keeps_is_written_again_before_a_block_never_written():
+    """The pools hold memory only where written: a finished request's unregistered blocks are
+    the next ones handed out, registered ones wait at the back (evicted last), and blocks never
+    written come in between, so the process grows with the cache's use."""
+    bm = BlockManager(16, 4, enable_prefix_caching=False)
+    first = _request("a", [1] * 10)
+    assert bm.allocate(first, 10)
+    held = bm.block_table(first)
+    bm.free(first)
+    second = _request("b", [2] * 10)
+    assert bm.allocate(second, 10)
+    assert sorted(bm.block_table(second)) == sorted(held)
+    cached = BlockManager(16, 4, enable_prefix_caching=True)
+    third = _request("c", [3] * 8)
+    assert cached.allocate(third, 8)
+    third.num_computed_tokens = 8
+    cached.commit(third)
+    kept = cached.block_table(third)
+    cached.free(third)
+    fourth = _request("d", [4] * 8)
+    assert cached.allocate(fourth, 8)
+    assert not set(cached.block_table(fourth)) & set(kept)
+
+
 @pytest.fixture(scope="module")
 def tiny_gemma(tmp_path_factory):
     import torch

@@ -38,3 +38,32 @@ def test_decode_attention_reads_the_paged_cache_as_sdpa_does(monkeypatch, heads,
     torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-5)
     # and by hand: a context of one position returns its own value
     torch.testing.assert_close(ours[0], v_cache[slots[0, 0]].repeat_interleave(heads // kv_heads, 0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_attention_reads_a_16_bit_cache_as_sdpa_does_on_its_widened_values(monkeypatch,
+                                                                                  dtype):
+    """A bf16 or fp16 KV cache (`--kv-cache-dtype`): the kernel widens each element as it
+    reads it; PyTorch's path gathers and widens first. Same values, so float32 tolerances."""
+    gen = torch.Generator().manual_seed(1)
+    heads, kv_heads, head_dim, pool = 6, 2, 64, 120
+    k_cache = torch.randn(pool, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(pool, kv_heads, head_dim, generator=gen).to(dtype)
+    lengths = torch.tensor([3, 40, 17])
+    slots = torch.zeros(len(lengths), 40, dtype=torch.long)
+    perm = torch.randperm(pool, generator=gen)
+    for i, n in enumerate(lengths.tolist()):
+        slots[i, :n] = perm[i * 40:i * 40 + n]
+    valid = torch.arange(40).unsqueeze(0) < lengths.unsqueeze(1)
+    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long),
+                             num_decodes=len(lengths), decode_slots=slots,
+                             decode_positions=lengths - 1, decode_valid=valid)
+    q = torch.randn(len(lengths), heads, head_dim, generator=gen)
+    ours = attention._decode(q, k_cache, v_cache, meta, 0.125, None)
+    assert ours.dtype == torch.float32
+    monkeypatch.setattr(attention, "native_ops", lambda: False)
+    meta.masks.clear()
+    widened = attention._decode(q, k_cache.float(), v_cache.float(), meta, 0.125, None)
+    torch.testing.assert_close(ours, widened, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(attention._decode(q, k_cache, v_cache, meta, 0.125, None),
+                               widened, atol=1e-5, rtol=1e-5)

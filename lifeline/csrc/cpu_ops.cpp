@@ -12,6 +12,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#if defined(__F16C__) && defined(__AVX__)
+#include <immintrin.h>
+#endif
 #include <mutex>
 #include <shared_mutex>
 #include <unordered_map>
@@ -54,81 +58,121 @@ at::Tensor int8_linear(const at::Tensor& x, int64_t handle) {
 // dominates at one query: ~115 us a layer at one 150-token context, where the arithmetic is
 // ~150k multiply-adds.
 //
-// q [D, H, hd]; k_cache, v_cache [S, KVH, hd]; slots [D, L] (int64, cache slot of each context
-// position, padded); mask [D, L] (0 or -inf, additive: padding and sliding window); all float32
-// but slots, contiguous. Returns [D, H, hd].
+// q [D, H, hd] float32; k_cache, v_cache [S, KVH, hd] float32, bfloat16 or float16 (the KV
+// cache's format: each element widened to float32 as it is read); slots [D, L] (int64, cache
+// slot of each context position, padded); mask [D, L] (0 or -inf, additive: padding and
+// sliding window), float32; all contiguous. Returns [D, H, hd] float32.
+// A cached row widened to float32 in `buf` (a 16-bit cache), or the row itself (float32).
+inline const float* widen_row(const float* src, float*, int64_t) { return src; }
+inline const float* widen_row(const c10::BFloat16* src, float* buf, int64_t n) {
+  const uint16_t* bits = reinterpret_cast<const uint16_t*>(src);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {  // the top 16 bits of a float32: a shift, vectorized
+    const uint32_t wide = static_cast<uint32_t>(bits[i]) << 16;
+    float f;
+    std::memcpy(&f, &wide, sizeof f);
+    buf[i] = f;
+  }
+  return buf;
+}
+inline const float* widen_row(const c10::Half* src, float* buf, int64_t n) {
+  int64_t i = 0;
+#if defined(__F16C__) && defined(__AVX__)
+  const __m128i* halves = reinterpret_cast<const __m128i*>(src);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(buf + i, _mm256_cvtph_ps(_mm_loadu_si128(halves + i / 8)));
+#endif
+  for (; i < n; ++i) buf[i] = static_cast<float>(src[i]);
+  return buf;
+}
+
+template <typename T>
+void decode_attention_impl(const float* qp, const T* kp, const T* vp, const int64_t* sp,
+                           const float* mp, float* op, int64_t D, int64_t H, int64_t hd,
+                           int64_t KVH, int64_t L, float s) {
+  const int64_t group = H / KVH;
+  std::vector<float> scores(group * L);
+  std::vector<float> acc(group * hd);
+  std::vector<float> row(hd);
+  for (int64_t item = 0; item < D * KVH; ++item) {
+    const int64_t d = item / KVH, g = item % KVH;
+    const int64_t* srow = sp + d * L;
+    const float* mrow = mp + d * L;
+    const float* qg = qp + (d * H + g * group) * hd;
+    for (int64_t l = 0; l < L; ++l) {
+      const float* k = widen_row(kp + (srow[l] * KVH + g) * hd, row.data(), hd);
+      for (int64_t h = 0; h < group; ++h) {  // padding reads slot 0: finite, then -inf
+        const float* qh = qg + h * hd;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < hd; ++i) dot += qh[i] * k[i];
+        scores[h * L + l] = dot * s + mrow[l];
+      }
+    }
+    for (int64_t h = 0; h < group; ++h) {
+      float* sc = scores.data() + h * L;
+      const float top = *std::max_element(sc, sc + L);
+      float total = 0.f;
+#pragma omp simd reduction(+ : total)
+      for (int64_t l = 0; l < L; ++l) {  // exp(-inf) = 0: vectorized (libmvec), no branch
+        sc[l] = std::exp(sc[l] - top);
+        total += sc[l];
+      }
+      const float inv = 1.f / total;
+      for (int64_t l = 0; l < L; ++l) sc[l] *= inv;
+    }
+    std::fill(acc.begin(), acc.end(), 0.f);
+    for (int64_t l = 0; l < L; ++l) {
+      const float* v = nullptr;
+      for (int64_t h = 0; h < group; ++h) {
+        const float p = scores[h * L + l];
+        if (p == 0.f) continue;
+        if (v == nullptr) v = widen_row(vp + (srow[l] * KVH + g) * hd, row.data(), hd);
+        float* a = acc.data() + h * hd;
+#pragma omp simd
+        for (int64_t i = 0; i < hd; ++i) a[i] += p * v[i];
+      }
+    }
+    std::copy(acc.begin(), acc.end(), op + (d * H + g * group) * hd);
+  }
+}
+
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
                             const at::Tensor& v_cache, const at::Tensor& slots,
                             const at::Tensor& mask, double scale) {
   TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(),
               "decode_attention: q [D, H, hd], caches [S, KVH, hd]");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-              v_cache.scalar_type() == at::kFloat && mask.scalar_type() == at::kFloat,
-              "decode_attention: float32 only");
+  const auto kv_type = k_cache.scalar_type();
+  TORCH_CHECK(q.scalar_type() == at::kFloat && mask.scalar_type() == at::kFloat &&
+                  v_cache.scalar_type() == kv_type &&
+                  (kv_type == at::kFloat || kv_type == at::kBFloat16 || kv_type == at::kHalf),
+              "decode_attention: float32 q and mask; float32, bfloat16 or float16 caches");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 2 && mask.sizes() == slots.sizes(),
               "decode_attention: slots [D, L] int64, mask [D, L]");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "decode_attention: caches must be contiguous");
   const int64_t D = q.size(0), H = q.size(1), hd = q.size(2), KVH = k_cache.size(1);
   const int64_t L = slots.size(1);
   TORCH_CHECK(k_cache.size(2) == hd && H % KVH == 0 && slots.size(0) == D, "decode_attention: shapes");
-  const int64_t group = H / KVH;
   auto qc = q.contiguous();
   auto sc = slots.contiguous();
   auto mc = mask.contiguous();
   auto out = at::empty_like(qc);
-  const float* qp = qc.data_ptr<float>();
-  const float* kp = k_cache.data_ptr<float>();
-  const float* vp = v_cache.data_ptr<float>();
-  const int64_t* sp = sc.data_ptr<int64_t>();
-  const float* mp = mc.data_ptr<float>();
-  float* op = out.data_ptr<float>();
   const float s = static_cast<float>(scale);
   // One thread: built with -fopenmp (for at::parallel_for), the library slowed PyTorch's own
   // parallel kernels in the same process ~7x (index_select + SDPA at 8 x 176 slots: 134 ->
   // 928 us), so the caller sends only small batches here (attention.NATIVE_DECODE_MAX).
-  {
-    std::vector<float> scores(group * L);
-    std::vector<float> acc(group * hd);
-    for (int64_t item = 0; item < D * KVH; ++item) {
-      const int64_t d = item / KVH, g = item % KVH;
-      const int64_t* srow = sp + d * L;
-      const float* mrow = mp + d * L;
-      const float* qg = qp + (d * H + g * group) * hd;
-      for (int64_t l = 0; l < L; ++l) {
-        const float* k = kp + (srow[l] * KVH + g) * hd;
-        for (int64_t h = 0; h < group; ++h) {  // padding reads slot 0: finite, then -inf
-          const float* qh = qg + h * hd;
-          float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-          for (int64_t i = 0; i < hd; ++i) dot += qh[i] * k[i];
-          scores[h * L + l] = dot * s + mrow[l];
-        }
-      }
-      for (int64_t h = 0; h < group; ++h) {
-        float* row = scores.data() + h * L;
-        const float top = *std::max_element(row, row + L);
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t l = 0; l < L; ++l) {  // exp(-inf) = 0: vectorized (libmvec), no branch
-          row[l] = std::exp(row[l] - top);
-          total += row[l];
-        }
-        const float inv = 1.f / total;
-        for (int64_t l = 0; l < L; ++l) row[l] *= inv;
-      }
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t l = 0; l < L; ++l) {
-        const float* v = vp + (srow[l] * KVH + g) * hd;
-        for (int64_t h = 0; h < group; ++h) {
-          const float p = scores[h * L + l];
-          if (p == 0.f) continue;
-          float* a = acc.data() + h * hd;
-#pragma omp simd
-          for (int64_t i = 0; i < hd; ++i) a[i] += p * v[i];
-        }
-      }
-      std::copy(acc.begin(), acc.end(), op + (d * H + g * group) * hd);
-    }
+  const float* qp = qc.data_ptr<float>();
+  const int64_t* sp = sc.data_ptr<int64_t>();
+  const float* mp = mc.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  if (kv_type == at::kFloat) {
+    decode_attention_impl(qp, k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), sp, mp, op,
+                          D, H, hd, KVH, L, s);
+  } else if (kv_type == at::kBFloat16) {
+    decode_attention_impl(qp, k_cache.data_ptr<c10::BFloat16>(),
+                          v_cache.data_ptr<c10::BFloat16>(), sp, mp, op, D, H, hd, KVH, L, s);
+  } else {
+    decode_attention_impl(qp, k_cache.data_ptr<c10::Half>(), v_cache.data_ptr<c10::Half>(), sp,
+                          mp, op, D, H, hd, KVH, L, s);
   }
   return out;
 }

@@ -299,10 +299,16 @@ class BlockManager:
         return sum(1 for b in self.block_table(req) if b != NULL_BLOCK)
 
     def _release(self, block_id: int) -> None:
+        """A block no request holds any more: one the prefix cache keeps goes to the back of
+        the free queue (evicted last); one it does not to the front, to be written again
+        before a block never written is: the pools hold memory only where they were written
+        (`model_runner.kv_pool`), so the process grows with the cache's use, not its size."""
         block = self.blocks[block_id]
         block.ref_cnt -= 1
         if block.ref_cnt == 0:
             self.free_queue[block_id] = None
+            if block.block_hash is None:
+                self.free_queue.move_to_end(block_id, last=False)
 
     def _touch(self, block_id: int) -> None:
         block = self.blocks[block_id]

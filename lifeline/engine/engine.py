@@ -31,6 +31,9 @@ if TYPE_CHECKING:
     from lifeline.model.loader import LoadedModel
 
 log = logging.getLogger("lifeline.engine")
+KV_CACHE_DTYPES = {"auto": "auto", "fp32": "fp32", "float32": "fp32", "bf16": "bf16",
+                   "bfloat16": "bf16", "fp16": "fp16", "float16": "fp16", "f16": "fp16"}
+"""The KV cache formats by the names vLLM and llama.cpp give them, and the one each means."""
 GPU_WEIGHTS = ("bf16", "fp32")
 """Weight formats on a GPU: the whole model in that dtype (the int8 formats are fbgemm's)."""
 MAX_STEP_FAILURES = 3
@@ -45,7 +48,11 @@ class InjectedFault(RuntimeError):
 @dataclass(slots=True)
 class EngineConfig:
     block_size: int = 16
-    kv_cache_memory_bytes: int = 2 << 30
+    kv_cache_memory_bytes: int | None = None
+    """Memory for the KV pools; None: sized by need, for the served context length
+    (`max_model_len`, else the model's) shared by the running requests, sliding-window layers
+    holding only their windows (lifeline.engine.kv_layout). The pools hold memory only where
+    they are written."""
     num_kv_blocks: int | None = None
     """Overrides `kv_cache_memory_bytes` when set."""
     max_num_seqs: int = 64
@@ -55,10 +62,14 @@ class EngineConfig:
     sliding_window_kv: bool = True
     """Sliding-window layers give back the blocks their window left behind (hybrid models
     get a second block table and pool); False keeps every block for every layer."""
+    kv_cache_dtype: str = "auto"
+    """The KV pools' format: 'auto' (the activations': float32 on the CPU, bfloat16 for a
+    bf16 model on a GPU), 'fp32', 'bf16' or 'fp16' (llama.cpp's default; half the bytes of
+    float32, keys and values rounded once as they are written; docs/performance.md measures
+    what that does to agreement)."""
     kv_dtype_bytes: float | None = None
-    """Bytes of one cached K or V element; None: the model executor's pools, 2 where the model
-    runs in bfloat16 on a GPU, else 4 (float32). The planner sizes the cache of the format it
-    prices (2 for bf16, 1 for fp8, per device under TP)."""
+    """Bytes of one cached K or V element; None: those of `kv_cache_dtype`. The planner sizes
+    the cache of the format it prices (2 for bf16, 1 for fp8, per device under TP)."""
     num_threads: int | None = None
     device: str = "cpu"
     """Where weights, KV cache, attention and greedy sampling run ('cpu', 'cuda', 'cuda:N');
@@ -97,8 +108,21 @@ class EngineConfig:
         if on_gpu and self.weights not in GPU_WEIGHTS:
             raise ValueError(f"weights {self.weights!r} run on the CPU only (fbgemm's int8); "
                              f"on a GPU: {', '.join(GPU_WEIGHTS)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype!r}: choose from "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
+        self.kv_cache_dtype = KV_CACHE_DTYPES[self.kv_cache_dtype]
         if self.kv_dtype_bytes is None:
-            self.kv_dtype_bytes = 2 if on_gpu and self.weights == "bf16" else 4
+            kv = self.kv_cache_dtype
+            self.kv_dtype_bytes = (4 if kv == "fp32" else 2 if kv in ("bf16", "fp16") else
+                                   2 if on_gpu and self.weights == "bf16" else 4)
+
+    def kv_torch_dtype(self, activations: torch.dtype) -> torch.dtype:
+        """The KV pools' torch dtype for a model whose activations are `activations`."""
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16,
+                "fp16": torch.float16}.get(self.kv_cache_dtype, activations)
 
 
 @dataclass(slots=True)
@@ -164,7 +188,8 @@ class LLMEngine:
             mcfg, config.block_size, memory_bytes=config.kv_cache_memory_bytes,
             num_blocks=config.num_kv_blocks, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            dtype_bytes=config.kv_dtype_bytes, sliding_window_kv=config.sliding_window_kv)
+            dtype_bytes=config.kv_dtype_bytes, sliding_window_kv=config.sliding_window_kv,
+            context_tokens=min(config.max_model_len or mcfg.max_position, mcfg.max_position))
         self.block_manager = layout.manager(config.enable_prefix_caching,
                                             config.max_num_batched_tokens)
         max_len = self._clamp_model_len(config.max_model_len, mcfg.max_position)

@@ -58,7 +58,8 @@ class ModelExecutor:
         self.dtype = dtype or torch.float32
         """The activations' and the KV pools' dtype."""
         with startup.phase("kv_pools"):
-            self.runner = ModelRunner(model, loaded.config, layout, kv_dtype=self.dtype,
+            self.runner = ModelRunner(model, loaded.config, layout,
+                                      kv_dtype=config.kv_torch_dtype(self.dtype),
                                       device=config.device)
         self.compiled = config.compile and self.runner.compile()
         """Whether the forward runs compiled (config.compile, where the model supports it)."""

@@ -430,12 +430,16 @@ class _Builder:
     def engine(self, t: Table | None) -> EngineConfig:
         """A local backend's engine options; the command line's defaults (int8-all weights,
         compiled) where the file says nothing."""
-        from lifeline.cli import DEFAULT_KV_CACHE_BYTES, DEFAULT_WEIGHTS, WEIGHT_FORMATS
+        from lifeline.cli import (DEFAULT_KV_CACHE_BYTES, DEFAULT_KV_CACHE_DTYPE,
+                                  DEFAULT_WEIGHTS, KV_CACHE_DTYPES, WEIGHT_FORMATS)
 
         values: dict[str, Any] = {"weights": DEFAULT_WEIGHTS, "compile": True,
-                                  "kv_cache_memory_bytes": DEFAULT_KV_CACHE_BYTES}
+                                  "kv_cache_memory_bytes": DEFAULT_KV_CACHE_BYTES,
+                                  "kv_cache_dtype": DEFAULT_KV_CACHE_DTYPE}
         if t is None:
             return EngineConfig(**values)
+        if "kv_cache_dtype" not in t.data and str(t.data.get("device", "cpu")) != "cpu":
+            values["kv_cache_dtype"] = "auto"
         fields = {f.name: str(f.type) for f in dataclasses.fields(EngineConfig)}
         for key in list(t.data):
             if key not in fields:
@@ -445,6 +449,8 @@ class _Builder:
                 check: Callable[[Any], Any] = size
             elif key == "weights":
                 check = choice(WEIGHT_FORMATS)
+            elif key == "kv_cache_dtype":
+                check = choice(KV_CACHE_DTYPES)
             elif "bool" in kind:
                 check = boolean
             elif key == "step_log_size":

@@ -141,8 +141,10 @@ _LIB.impl("paged_attention", _attention_op_meta, "Meta")
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              slots: torch.Tensor) -> None:
-    k_cache.index_copy_(0, slots, k)
-    v_cache.index_copy_(0, slots, v)
+    """The step's keys and values into the pools, in the pools' format (a 16-bit KV cache
+    rounds them here, once)."""
+    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -174,18 +176,19 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                                        mask.view(num_seqs, -1), scale)
     kv_heads = k_cache.shape[1]
     group = num_heads // kv_heads
-    keys = _gather(k_cache, meta.decode_slots).transpose(1, 2)
-    values = _gather(v_cache, meta.decode_slots).transpose(1, 2)
+    keys = _gather(k_cache, meta.decode_slots, q.dtype).transpose(1, 2)
+    values = _gather(v_cache, meta.decode_slots, q.dtype).transpose(1, 2)
     q = q.view(num_seqs, kv_heads, group, head_dim)
     o = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=scale)
     return o.reshape(num_seqs, num_heads, head_dim)
 
 
-def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+def _gather(cache: torch.Tensor, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`cache[slots]` through `index_select`, several times faster than advanced indexing on
-    the CPU (docs/performance.md)."""
+    the CPU (docs/performance.md), widened to the activations' `dtype` from a 16-bit cache."""
     flat = slots.reshape(-1)
-    return cache.index_select(0, flat).view(*slots.shape, *cache.shape[1:])
+    rows = cache.index_select(0, flat).view(*slots.shape, *cache.shape[1:])
+    return rows.to(dtype)
 
 
 def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
@@ -193,8 +196,11 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
              ) -> torch.Tensor:
     past = p.context_len - p.num_tokens
     if past:
-        k = _gather(k_cache, p.slots)
-        v = _gather(v_cache, p.slots)
+        k = _gather(k_cache, p.slots, q.dtype)
+        v = _gather(v_cache, p.slots, q.dtype)
+    elif k_cache.dtype != q.dtype:  # as the cache will give them back: a prefix-cache hit
+        k = k.to(k_cache.dtype).to(q.dtype)  # then reads the same keys as this first pass
+        v = v.to(v_cache.dtype).to(q.dtype)
     # 4-D [1, H, T, D] inputs: PyTorch's fused (flash) CPU kernel takes only 4-D ones; as 3-D
     # this was the slower math path (bmm + softmax; docs/performance.md, "Prefill attention").
     q_t = q.transpose(0, 1).unsqueeze(0)
