@@ -125,3 +125,37 @@ def test_unsupported_type_names_the_tensor(synthetic: GGUFFile):
     with pytest.raises(UnsupportedTensorType, match=r"blk\.0\.odd.*IQ2_XXS"):
         synthetic.load("blk.0.odd")
     assert issubclass(UnsupportedTensorType, ValueError)
+
+
+@pytest.mark.parametrize("keep", [0.0001, 0.01, 0.5, 0.999999])
+def test_a_cut_file_is_refused_as_truncated_before_any_weight_is_read(tmp_path, keep):
+    """SmolLM2's file cut in its header, its tensor table, its data and by its last bytes:
+    a clear error (a ValueError, so `lifeline serve` says "cannot load the model" and exits),
+    never a crash nor a model built on missing weights."""
+    from lifeline.model.gguf_file import CorruptGGUF
+    from lifeline.model.loader import load_gguf
+
+    src = smollm2_model_path()
+    data = src.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:max(8, int(len(data) * keep))])
+    with pytest.raises(CorruptGGUF, match="truncated or corrupt GGUF"):
+        load_gguf(cut)
+    assert issubclass(CorruptGGUF, ValueError)
+
+
+def test_an_unsupported_type_fails_the_load_before_any_weight_is_read(tmp_path, monkeypatch):
+    """One Q4_K tensor of the default model relabelled Q2_K (a type we cannot compute with):
+    the load names the tensor and the type before it has dequantized a single tensor."""
+    from lifeline.model import gguf_file
+    from lifeline.model.loader import load_gguf
+    from tests.test_server_faults import _copy_with_unsupported_tensor
+
+    path = tmp_path / "model.gguf"
+    _copy_with_unsupported_tensor(path)
+    read = []
+    real = gguf_file.dequantize
+    monkeypatch.setattr(gguf_file, "dequantize", lambda *a, **k: read.append(a[-1]) or real(*a, **k))
+    with pytest.raises(UnsupportedTensorType, match=r"'[\w.]+' has unsupported GGML type Q2_K"):
+        load_gguf(path)
+    assert read == []

@@ -3,15 +3,20 @@ from __future__ import annotations
 
 import mmap
 import os
+import struct
 from typing import Any
 
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 
-from lifeline.model.dequant import UnsupportedTensorType, dequantize
+from lifeline.model.dequant import SUPPORTED_TYPES, UnsupportedTensorType, dequantize
 
-__all__ = ["GGUFFile", "UnsupportedTensorType"]
+__all__ = ["CorruptGGUF", "GGUFFile", "UnsupportedTensorType"]
+
+
+class CorruptGGUF(ValueError):
+    """A file that is not a whole GGUF file: cut short, or its header or tensor table damaged."""
 
 # Vocabulary-sized arrays: decoding them costs seconds, and the tokenizer reads them itself.
 TOKENIZER_ARRAYS = frozenset((
@@ -27,13 +32,29 @@ class GGUFFile:
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = os.fspath(path)
-        self.reader = GGUFReader(self.path)
+        try:
+            self.reader = GGUFReader(self.path)
+        except (ValueError, IndexError, OverflowError, struct.error, UnicodeDecodeError) as exc:
+            raise CorruptGGUF(f"{self.path}: truncated or corrupt GGUF file ({exc})") from None
         self.metadata: dict[str, Any] = {
             key: field.contents()
             for key, field in self.reader.fields.items()
             if key not in TOKENIZER_ARRAYS
         }
         self._tensors: dict[str, ReaderTensor] = {t.name: t for t in self.reader.tensors}
+
+    def check(self) -> None:
+        """Before any weight is read: every tensor of a type we can compute with
+        (`UnsupportedTensorType` names the first that is not, and its type) and every tensor's
+        bytes inside the file (`CorruptGGUF` otherwise)."""
+        size = os.path.getsize(self.path)
+        for name, tensor in self._tensors.items():
+            if tensor.tensor_type not in SUPPORTED_TYPES:
+                raise UnsupportedTensorType(name, tensor.tensor_type)
+            end = int(tensor.data_offset) + int(tensor.n_bytes)
+            if end > size:
+                raise CorruptGGUF(f"{self.path}: truncated or corrupt GGUF file (tensor "
+                                  f"{name!r} ends at byte {end:,}, the file has {size:,})")
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.metadata.get(key, default)

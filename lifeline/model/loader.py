@@ -149,6 +149,8 @@ def load_gguf(path: str | Path, dummy: bool = False, device: str | None = None
     dequantized on the CPU, and the engine places them."""
     gf = GGUFFile(path)
     cfg = config_from_gguf_header(gf.metadata, {n: gf.tensor_shape(n) for n in gf.tensor_names})
+    if not dummy:
+        gf.check()  # an unsupported type or a cut file fails here, before any weight is read
     model = build_model(cfg)
     if dummy:
         init_dummy_weights(model, device=device)
