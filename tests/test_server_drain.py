@@ -22,7 +22,7 @@ def served(tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "server.log"
     proc = subprocess.Popen(
         [sys.executable, "-m", "lifeline.cli", "serve", "--port", str(port),
-         "--shutdown-timeout", "60"],
+         "--shutdown-timeout", "60", "--no-compile"],  # the compiled start: test_server_startup
         stdout=log.open("w"), stderr=subprocess.STDOUT, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     base = f"http://127.0.0.1:{port}"
