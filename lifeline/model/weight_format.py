@@ -94,13 +94,9 @@ class Int8Linear(nn.Module):
         self.weight = linear.weight if rescore_top and stored is None else None
         self.stored = stored if rescore_top else None
         self.bias = linear.bias
-        weight = linear.weight.detach().float()
         self.rotation = hadamard(rotate) if rotate else None
-        if rotate:  # rescoring reads the unrotated float32 rows, with the unrotated input
-            weight = rotate_columns(weight, self.rotation)
-        scales = (weight.abs().amax(1).clamp_min(1e-12) / 127).double()
-        qweight = _int8_rows(weight, scales)
-        self.register_buffer("row_sums", qweight.dequantize().sum(1).unsqueeze(0))
+        qweight, scales, row_sums = _quantize_rows(linear.weight.detach(), self.rotation)
+        self.register_buffer("row_sums", row_sums.unsqueeze(0))
         self.packed = torch.ops.quantized.linear_prepack(qweight, None)
         self.reduce_range = fbgemm_saturates()
         self.onednn = onednn_int8()
@@ -108,8 +104,8 @@ class Int8Linear(nn.Module):
             self.onednn_packed = torch.ops.onednn.qlinear_prepack(qweight.int_repr(), None)
             self.register_buffer("weight_scales", scales.float())
             self.register_buffer("weight_zeros", torch.zeros(len(scales), dtype=torch.long))
-        self.rescore_top = min(rescore_top, weight.shape[0])
-        self.out_features, self.in_features = weight.shape
+        self.rescore_top = min(rescore_top, qweight.shape[0])
+        self.out_features, self.in_features = qweight.shape
 
     compile_handle: int | None = None
     """Set by `lifeline.model.compiled.compile_forward`: compiled code calls fbgemm's GEMM
@@ -289,6 +285,38 @@ def shortlist_argmax(approx: torch.Tensor, ids: torch.Tensor, exact: torch.Tenso
     best = exact.amax(-1, keepdim=True)
     token = torch.where(exact == best, ids, vocab).amin(-1)
     return torch.where(best.squeeze(-1) > approx.amin(-1), token, -1)
+
+
+QUANTIZE_CHUNK_ROWS = 8192
+"""Rows quantized at a time: the float32 temporaries of a vocabulary-sized head (its rotated
+copy, the quantizer's, the dequantized row sums) are a chunk's, not the whole matrix's (they
+were ~2 GB at the start on Gemma 3 270M's 262k x 640 head)."""
+
+
+def _quantize_rows(weight: torch.Tensor, rotation: torch.Tensor | None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-row symmetric int8 of `weight` (times `rotation`'s block-diagonal Hadamard matrix
+    first, where given), chunk by chunk: the quantized tensor, its float64 scales and each
+    row's sum of dequantized values (the activations' zero-point correction)."""
+    rows, cols = weight.shape
+    values = torch.empty(rows, cols, dtype=torch.int8)
+    scales = torch.empty(rows, dtype=torch.float64)
+    row_sums = torch.empty(rows, dtype=torch.float32)
+    for start in range(0, rows, QUANTIZE_CHUNK_ROWS):
+        part = slice(start, min(rows, start + QUANTIZE_CHUNK_ROWS))
+        chunk = weight[part].float()
+        if rotation is not None:  # rescoring reads the unrotated rows, with the unrotated input
+            chunk = rotate_columns(chunk, rotation)
+        chunk_scales = (chunk.abs().amax(1).clamp_min(1e-12) / 127).double()
+        quantized = _int8_rows(chunk, chunk_scales)
+        values[part] = quantized.int_repr()
+        scales[part] = chunk_scales
+        row_sums[part] = quantized.dequantize().sum(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PyTorch deprecates quantized tensors for torchao
+        qweight = torch._make_per_channel_quantized_tensor(
+            values, scales, torch.zeros(rows, dtype=torch.long), 0)
+    return qweight, scales, row_sums
 
 
 def _int8_rows(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
