@@ -145,7 +145,12 @@ def test_models_tokenize_and_detokenize(loaded, client, http):
 
 def test_health_ready_and_metrics(http):
     assert http.get("/health").status_code == 200
-    assert http.get("/ready").json() == {"status": "ready"}
+    ready = http.get("/ready").json()
+    assert ready["status"] == "ready"
+    # a server given a loaded model reports its start too, the load before it included
+    phases = ready["startup_seconds"]
+    assert "compile_warmup" in phases and phases["read_weights"] > 0
+    assert sum(s for p, s in phases.items() if p != "ready") == pytest.approx(phases["ready"])
     metrics = http.get("/metrics").text
     for name in ("lifeline:time_to_first_token_seconds_bucket", "lifeline:kv_cache_usage_perc",
                  "lifeline:request_queue_time_seconds_bucket", "lifeline:prompt_tokens_total"):

@@ -58,7 +58,8 @@ def create_app(loaded_model: LoadedOrLoader, config: ServerConfig | None = None)
         if loaded is not None:
             client.wait_started()
             state.attach(client)
-            state.became_ready()  # the start's phases and the KV cache's size, as after a load
+            # the start's phases and the KV cache's size, as after a load
+            state.became_ready(getattr(loaded, "load_seconds", None) or 0.0)
         else:
             state.admission.loading = True
             loader = asyncio.create_task(_load(state, client))

@@ -146,12 +146,14 @@ class ServerState:
         self.client = client
         freeze_startup_heap()
 
-    def became_ready(self) -> None:
+    def became_ready(self, loaded_before_s: float = 0.0) -> None:
         """The load ended: the start's phases (lifeline.engine.startup) go to the log and
-        `/metrics`, and the compiles made so far are the baseline of those after `/ready`."""
+        `/metrics`, and the compiles made so far are the baseline of those after `/ready`.
+        `loaded_before_s`: the weights were read before this server was built (a server given
+        a loaded model), so its start counts from that long before."""
         from lifeline.engine.startup import compiles, marked_process_start
 
-        start = marked_process_start() or self.built_at
+        start = marked_process_start() or self.built_at - loaded_before_s
         phases = dict(self.model.startup or {}) if self.model else {}
         total = time.time() - start
         phases["other"] = max(0.0, total - sum(phases.values()))
@@ -162,7 +164,8 @@ class ServerState:
         parts = ", ".join(f"{name.replace('_', ' ')} {s:.1f} s" for name, s in phases.items()
                           if name != "ready")
         log.info("ready %.1f s after %s (%s)", total,
-                 "the server was built" if start == self.built_at else "the process started",
+                 "the process started" if marked_process_start() else
+                 "the server was built" if not loaded_before_s else "the weights were read",
                  parts)
         if self.model is not None and self.model.kv_pool_bytes is not None:
             log.info("KV cache: %d bytes a token (every layer's K and V), pools of %.0f MiB "
