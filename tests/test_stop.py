@@ -178,3 +178,11 @@ def test_long_stop_string_held_then_released_or_matched():
     checker = StopChecker([stop])
     checker.feed("z" * 49_999)
     assert checker.feed("!").emit == "z" * 49_999 + "!"
+
+
+def test_a_stop_string_inside_a_longer_ones_prefix_is_found_whatever_order_they_come_in():
+    """'.ba' (a prefix of '.bab') fails over to 'ba' (of 'bab', a later stop string) whose
+    own failure is the stop string 'a': the match must be found although 'ba' was built after
+    '.ba' (found by the property test below)."""
+    stop = ["a", ".bab", "bab", "é.a."]
+    assert stream([".é.baa", "aé"], stop) == reference(".é.baaaé", stop, False) == (".é.b", "a")

@@ -62,9 +62,10 @@ class _Automaton:
                 while f and (f << 21 | c) not in self.goto:
                     f = self.fail[f]
                 self.fail[node] = self.goto.get(f << 21 | c, 0)
-        for node in range(1, len(self.depth)):
-            if self.out[node] < 0:
-                self.out[node] = self.out[self.fail[node]]
+        for level in by_depth[1:]:  # a failure node is shallower: its `out` is final by now
+            for node in level:
+                if self.out[node] < 0:
+                    self.out[node] = self.out[self.fail[node]]
 
     def step(self, state: int, c: str) -> tuple[int, int]:
         """The state after reading `c`, and the moves it took (one, plus one per failure link)."""
