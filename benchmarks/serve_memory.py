@@ -1,7 +1,8 @@
 """`lifeline serve`'s resident memory under traffic, the old KV default (a 2 GiB float32 budget)
 against the new one (pools sized by need, fp16), on both real models, one server at a time.
 
-    .venv/bin/python benchmarks/serve_memory.py [--json out.json]
+    .venv/bin/python benchmarks/serve_memory.py [--json out.json] [--weights int8-all,gguf]
+                                                [--models gemma,smollm2]
 
 Each server runs with llama.cpp's `-np 16` and `-c` as `benchmarks/vs_llamacpp.py` passes them
 (`--max-num-seqs 16 --max-model-len C`); `lifeline bench` runs the users16 then the single
@@ -32,12 +33,18 @@ CONFIGS = (("2 GiB fp32 (the old default)",
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--weights", help="compare these weight formats (comma-separated, KV "
+                        "pools by default) instead of the two KV configurations")
+    parser.add_argument("--models", default="gemma,smollm2")
     args = parser.parse_args()
     console = Console()
     runs = v._runs(True)
     rows = []
-    for model, ctx in ((default_model_path(), 32768), (smollm2_model_path(), 8192)):
-        for label, extra in CONFIGS:
+    configs = CONFIGS if not args.weights else tuple(
+        (f"weights {w}", ["--weights", w]) for w in args.weights.split(","))
+    models = {"gemma": (default_model_path(), 32768), "smollm2": (smollm2_model_path(), 8192)}
+    for model, ctx in (models[m] for m in args.models.split(",")):
+        for label, extra in configs:
             row = {"model": Path(model).name, "kv": label}
             console.print(f"{row['model']}: {label} …")
             started = time.monotonic()
@@ -49,11 +56,11 @@ def main() -> None:
                     row["after_" + name] = srv.resident_mib()
             rows.append(row)
     table = Table(title="lifeline serve: resident memory (MiB) under traffic")
-    for col in ("model", "KV pools", "after /ready", "after 16 users", "after one user",
+    for col in ("model", "configuration", "ready s", "after /ready", "after 16 users", "after one user",
                 "peak", "16 users tok/s", "one user tok/s"):
-        table.add_column(col, justify="left" if col in ("model", "KV pools") else "right")
+        table.add_column(col, justify="left" if col in ("model", "configuration") else "right")
     for r in rows:
-        table.add_row(r["model"], r["kv"], f"{r['after_ready']['rss']:,.0f}",
+        table.add_row(r["model"], r["kv"], f"{r['ready_s']:.1f}", f"{r['after_ready']['rss']:,.0f}",
                       f"{r['after_users16']['rss']:,.0f}", f"{r['after_single']['rss']:,.0f}",
                       f"{r['after_single']['peak']:,.0f}",
                       f"{r['users16']['output tok/s']:.1f}", f"{r['single']['decode tok/s']:.1f}")

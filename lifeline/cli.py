@@ -12,7 +12,7 @@ from lifeline.bench.command import cmd_bench
 from lifeline.plan.command import add_parser as plan_parser
 from lifeline.plan.command import cmd_plan
 
-WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int8-all")
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int8-all", "gguf")
 """lifeline.model.weight_format.WEIGHT_FORMATS, repeated so that parsing flags needs no torch."""
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "f16", "float16", "float32", "fp16", "fp32")
 """lifeline.engine.engine.KV_CACHE_DTYPES's names, repeated for the same reason."""
@@ -82,8 +82,9 @@ def _device_flags(p: argparse.ArgumentParser) -> None:
                         "attention and greedy sampling on the GPU; scheduling on the host)")
     p.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
                    help="weight format (default: on the CPU int8-all, the fastest within 2%% "
-                        "of float32's perplexity, docs/performance.md; on a GPU bf16, every "
-                        "weight in bfloat16, or fp32)")
+                        "of float32's perplexity, docs/performance.md; gguf: every layer from "
+                        "the GGUF file's own blocks, less memory, slower decode for now; on a "
+                        "GPU bf16, every weight in bfloat16, or fp32)")
 
 
 def device_problem(device: str) -> str | None:

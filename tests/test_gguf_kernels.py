@@ -101,3 +101,42 @@ def test_bad_shapes_and_types_are_errors_not_crashes():
         torch.ops.lifeline_gguf.gguf_get_rows(w, int(T.Q8_0), torch.tensor([4]), 64)
     with pytest.raises(RuntimeError, match="out of"):
         torch.ops.lifeline_gguf.gguf_get_rows(w, int(T.Q8_0), torch.tensor([-1]), 64)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_gguf_dequantize_is_gguf_py_on_every_path(qtype):
+    block = GGML_QUANT_SIZES[qtype][0]
+    cols = 2 * block if block == 256 else 3 * block
+    w = random_blocks(qtype, 9, cols, seed=3)
+    ref = dequantized(w, qtype, cols)
+    for path in available_paths():
+        assert torch.ops.lifeline_gguf.gguf_force_path(path) == path
+        f32 = torch.ops.lifeline_gguf.gguf_dequantize(w, int(qtype), cols, False)
+        torch.testing.assert_close(f32.double(), ref, rtol=1e-6, atol=1e-7,
+                                   msg=lambda m: f"{PATHS[path]}: {m}")
+        bf16 = torch.ops.lifeline_gguf.gguf_dequantize(w, int(qtype), cols, True)
+        assert bf16.dtype == torch.bfloat16
+        # rounded to nearest as torch rounds float32 to bfloat16
+        assert torch.equal(bf16, f32.to(torch.bfloat16)), PATHS[path]
+    torch.ops.lifeline_gguf.gguf_force_path(-1)
+
+
+@pytest.mark.parametrize("bf16", [False, True], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("qtype", [T.Q4_1, T.Q6_K], ids=lambda t: t.name)
+def test_large_batches_take_the_gemm_road_with_the_same_product(qtype, bf16):
+    block = GGML_QUANT_SIZES[qtype][0]
+    cols = 2 * block if block == 256 else 5 * block
+    w = random_blocks(qtype, 24, cols, seed=5)
+    x = torch.randn(40, cols, generator=torch.Generator().manual_seed(5))
+    loose = x.double() @ dequantized(w, qtype, cols).T
+    magnitude = (x.double().abs() @ dequantized(w, qtype, cols).abs().T).norm()
+    try:
+        assert torch.ops.lifeline_gguf.gguf_set_gemm(32, bf16) == 32
+        big = torch.ops.lifeline_gguf.gguf_linear(x, w, int(qtype), 24)
+        small = torch.ops.lifeline_gguf.gguf_linear(x[:31], w, int(qtype), 24)
+    finally:
+        torch.ops.lifeline_gguf.gguf_set_gemm(0, False)
+    direct = torch.ops.lifeline_gguf.gguf_linear(x[:31], w, int(qtype), 24)
+    assert torch.equal(small, direct)  # below the threshold: the dot kernels, untouched
+    rel = (big.double() - loose).norm() / magnitude
+    assert rel < (0.005 if bf16 else 1e-6), rel

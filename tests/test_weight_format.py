@@ -37,7 +37,8 @@ def fp32_logits(default_model):
     return LLM(default_model, max_num_batched_tokens=512).prompt_logits(ESSAY)
 
 
-@pytest.fixture(scope="module", params=["bf16", "int8", "int8-all", "int8-all+compile"])
+@pytest.fixture(scope="module", params=["bf16", "int8", "int8-all", "int8-all+compile", "gguf",
+                                        "gguf+compile"])
 def fast_llm(request):
     weights, _, compiled = request.param.partition("+")
     llm = LLM(load_model(), weights=weights, max_num_batched_tokens=512,
@@ -228,6 +229,42 @@ def test_top_logits_by_chunks_finds_the_same_tokens_as_topk():
     assert torch.equal(y.gather(1, ids), values)
     odd = torch.randn(2, 1000, generator=gen)  # not a whole number of chunks: plain topk
     assert torch.equal(top_logits(odd, 8)[1].sort(-1).values, odd.topk(8)[1].sort(-1).values)
+
+
+def test_weights_as_stored_follow_llamacpp_on_smollm2_up_to_ties():
+    """SmolLM2's Q4_1 layers computed from the file's blocks (`gguf`): no float32 copy of a
+    layer stays, and greedy text follows llama-server's on the same file (its fixtures,
+    tests/fixtures/smollm2_llamacpp.json) except where llama.cpp's own top choices are a near
+    tie (its logprob margin, as tests/test_smollm2_reference.py allows)."""
+    from lifeline.model.default import smollm2_model_path
+    from lifeline.model.gguf_rows import GGUFLinear
+    from tests.test_smollm2_reference import FIXTURES, LLAMACPP_TIE_MARGIN, PROMPTS
+
+    llm = LLM(load_model(smollm2_model_path()), weights="gguf")
+    model = llm.loaded.model
+    linears = [m for m in model.layers.modules() if isinstance(m, nn.Linear)]
+    assert not linears, linears[:2]
+    stored = [m for m in model.layers.modules() if isinstance(m, GGUFLinear)]
+    assert len(stored) == 4 * len(model.layers)  # qkv, o, gate_up, down
+    n = FIXTURES["settings"]["max_new_tokens"]
+    for name, prompt in sorted(PROMPTS.items()):
+        ours = llm.generate({"prompt_token_ids": prompt["prompt_ids"]},
+                            SamplingParams(max_tokens=n, temperature=0))[0].token_ids
+        theirs = prompt["completion_ids"]
+        part = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        if part is None:
+            continue
+        top, logprobs = prompt["steps_top_ids"][part], prompt["steps_top_logprobs"][part]
+        assert ours[part] in top[:3], (name, part)
+        assert logprobs[0] - logprobs[top.index(ours[part])] < LLAMACPP_TIE_MARGIN, (name, part)
+
+
+def test_weights_as_stored_need_a_gguf_file(tmp_path):
+    from tests.test_models_hf import _config
+
+    transformers.AutoModelForCausalLM.from_config(_config("qwen2")).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="need a GGUF file"):
+        LLM(str(tmp_path), weights="gguf")
 
 
 def test_one_loaded_gguf_model_behind_two_engines_is_formatted_once():

@@ -1,4 +1,4 @@
-// GGUF's quantized blocks computed as stored (lifeline/model/gguf_linear.py).
+// GGUF's quantized blocks computed as stored (lifeline.model.gguf_rows: GGUFLinear, StoredEmbedding).
 //
 // lifeline_ext::gguf_linear(x, w, qtype, out_features): y = x W^T for float32 rows x [N, K] and a
 // weight W [M, K] given as the GGUF file's own bytes [M, row_bytes] of GGML type `qtype` (the
@@ -16,11 +16,15 @@
 // is chosen at run time from what the CPU reports (`gguf_kernel_path`), never assumed at build
 // time, and can be forced down for tests (`gguf_force_path`).
 //
-// One weight row is decoded at a time into (u, d, m) in L1 and then dotted with every
-// activation row: a lone decode row pays one decode per weight byte; a batch shares it.
+// Each weight row's blocks are unpacked in registers and dotted with up to four activation
+// rows at once (the SIMD kernels: the kernel pass at the end of this file, compiled once per
+// instruction set); the portable path decodes a row into (u, d, m) first. From
+// `gemm_min_rows` rows the weight is decoded into a buffer for PyTorch's GEMM instead
+// (`gguf_set_gemm`).
 //
 // lifeline_ext::gguf_get_rows(w, qtype, ids, K): float32 rows `ids` of W (embedding lookups and
 // the LM head's exact rescoring), decoded the same way.
+#ifndef LIFELINE_GGUF_KERNEL_PASS
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -28,6 +32,7 @@
 #include <immintrin.h>
 
 #include <atomic>
+#include <functional>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -191,8 +196,9 @@ void decode_row(int64_t qtype, const uint8_t* row, int64_t K, uint8_t* u, float*
   }
 }
 
-// Activations: a [K] int8 with dx [K/32] per 32 values, and sa [K/16] = dx * (sum of a over 16).
-void quantize_row(const float* x, int64_t K, int8_t* a, float* dx, float* sa) {
+// Activations: a [K] int8 with dx [K/32] per 32 values, s16 [K/16] = dx * (sum of a over 16)
+// and s32 [K/32] over 32.
+void quantize_row(const float* x, int64_t K, int8_t* a, float* dx, float* s16, float* s32) {
   for (int64_t b = 0; b < K / 32; ++b) {
     const float* xb = x + b * 32;
     float amax = 0.f;
@@ -207,21 +213,35 @@ void quantize_row(const float* x, int64_t K, int8_t* a, float* dx, float* sa) {
       (i < 16 ? s0 : s1) += q;
     }
     dx[b] = scale;
-    sa[2 * b] = scale * s0;
-    sa[2 * b + 1] = scale * s1;
+    s16[2 * b] = scale * s0;
+    s16[2 * b + 1] = scale * s1;
+    s32[b] = scale * (s0 + s1);
   }
 }
+
+// N activation rows quantized (`quantize_row`), row n at a + n K, dx + n K/32, ...
+struct Acts {
+  const int8_t* a;
+  const float* dx;
+  const float* s16;
+  const float* s32;
+  int64_t K;
+};
 
 // Kernel paths, best first.
 enum Path : int { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVXVNNI = 2, PATH_AVX512VNNI = 3 };
 
 int detect_path() {
   __builtin_cpu_init();
+  // every SIMD path needs AVX2, FMA and F16C (the blocks' fp16 scales)
+  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c")))
+    return PATH_SCALAR;
   if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
-      __builtin_cpu_supports("avx512bw"))
+      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512f"))
     return PATH_AVX512VNNI;
-  if (__builtin_cpu_supports("avxvnni") && __builtin_cpu_supports("avx2")) return PATH_AVXVNNI;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return PATH_AVX2;
+  if (__builtin_cpu_supports("avxvnni")) return PATH_AVXVNNI;
+  return PATH_AVX2;
   return PATH_SCALAR;
 }
 
@@ -270,89 +290,96 @@ void dot_scalar(const Decoded* w, int rows, bool is_signed, const int8_t* a, con
   }
 }
 
-#define LIFELINE_HSUM(acc, result)                                                          \
-  {                                                                                         \
-    __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));     \
-    s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));                                             \
-    s4 = _mm_add_ss(s4, _mm_movehdup_ps(s4));                                               \
-    result = _mm_cvtss_f32(s4);                                                             \
+// The SIMD kernels, compiled once per instruction set: the kernel pass at the end of this file
+// is included three times, each inside its own namespace and `#pragma GCC target`, with that
+// set's 32-byte u8 x s8 dot (`dot32`: 8 int32 lanes, lane i the sum of bytes 4i..4i+3).
+#define LIFELINE_GGUF_KERNEL_PASS 1
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace isa_avx2 {
+inline __m256i dot32(__m256i u, __m256i x) {
+  // u <= 63 (or <= 128 for Q8_0's magnitudes) and |x| <= 127: a pair's sum fits int16
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
+}
+#include __FILE__
+}  // namespace isa_avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avxvnni")
+namespace isa_avxvnni {
+inline __m256i dot32(__m256i u, __m256i x) {
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x);
+}
+#include __FILE__
+}  // namespace isa_avxvnni
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni")
+namespace isa_avx512vnni {
+inline __m256i dot32(__m256i u, __m256i x) {
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+}
+#include __FILE__
+}  // namespace isa_avx512vnni
+#pragma GCC pop_options
+
+// The portable path: one weight row decoded into (u, d, m), then dotted value by value.
+void linear_rows_scalar(int64_t qtype, const uint8_t* wp, int64_t row_bytes, int64_t r0,
+                        int64_t r1, const Acts& x, int64_t N, float* out, int64_t M) {
+  Decoded row(x.K);
+  const bool is_signed = qtype == Q8_0;
+  for (int64_t r = r0; r < r1; ++r) {
+    row.decode(qtype, wp + r * row_bytes, x.K);
+    for (int64_t n = 0; n < N; ++n) {
+      float part;
+      dot_scalar(&row, 1, is_signed, x.a + n * x.K, x.dx + n * (x.K / 32),
+                 x.s16 + n * (x.K / 16), x.K, &part);
+      out[n * M + r] = part;
+    }
   }
+}
 
-// ROWS rows' dots with one activation row; DOT32 is the 32-byte u8 x s8 dot into 8 int32 lanes
-// (lanes 0-3: bytes 0-15, lanes 4-7: bytes 16-31).
-#define LIFELINE_DOT_ROWS(DOT32)                                                            \
-  if (rows != ROWS) return dot_scalar(w, rows, is_signed, a, dx, sa, K, out);               \
-  __m256 acc[ROWS], off[ROWS];                                                              \
-  for (int r = 0; r < ROWS; ++r) acc[r] = off[r] = _mm256_setzero_ps();                     \
-  for (int64_t b = 0; b < K / 32; ++b) {                                                    \
-    const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 32 * b));     \
-    const __m256 sx = _mm256_set1_ps(dx[b]);                                                \
-    for (int r = 0; r < ROWS; ++r) {                                                        \
-      __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w[r].u.data() + 32 * b)); \
-      __m256i xr = x;                                                                       \
-      if (is_signed) {                                                                      \
-        xr = _mm256_sign_epi8(x, q);                                                        \
-        q = _mm256_sign_epi8(q, q);                                                         \
-      }                                                                                     \
-      const __m256 sc = _mm256_mul_ps(_mm256_loadu_ps(w[r].dvec.data() + 8 * b), sx);       \
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(DOT32(q, xr)), sc, acc[r]);               \
-    }                                                                                       \
-  }                                                                                         \
-  const int64_t n16 = K / 16;                                                               \
-  int64_t j = 0;                                                                            \
-  for (; j + 8 <= n16; j += 8) {                                                            \
-    const __m256 s = _mm256_loadu_ps(sa + j);                                               \
-    for (int r = 0; r < ROWS; ++r)                                                          \
-      off[r] = _mm256_fmadd_ps(_mm256_loadu_ps(w[r].m.data() + j), s, off[r]);              \
-  }                                                                                         \
-  for (int r = 0; r < ROWS; ++r) {                                                          \
-    float total;                                                                            \
-    LIFELINE_HSUM(_mm256_add_ps(acc[r], off[r]), total);                                    \
-    for (int64_t t = j; t < n16; ++t) total += w[r].m[t] * sa[t];                           \
-    out[r] = total;                                                                         \
+using LinearRows = void (*)(int64_t, const uint8_t*, int64_t, int64_t, int64_t, const Acts&,
+                            int64_t, float*, int64_t);
+
+using DequantRows = void (*)(int64_t, const uint8_t*, int64_t, int64_t, int64_t, int64_t, void*,
+                             bool);
+
+void dequant_rows_scalar(int64_t qtype, const uint8_t* wp, int64_t row_bytes, int64_t r0,
+                         int64_t r1, int64_t K, void* out, bool bf16) {
+  std::vector<uint8_t> u(K);
+  std::vector<float> d(K / 16), m(K / 16);
+  const bool is_signed = qtype == Q8_0;
+  for (int64_t r = r0; r < r1; ++r) {
+    decode_row(qtype, wp + r * row_bytes, K, u.data(), d.data(), m.data());
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = d[k / 16] * (is_signed ? float(int8_t(u[k])) : float(u[k])) + m[k / 16];
+      if (bf16)
+        static_cast<at::BFloat16*>(out)[r * K + k] = at::BFloat16(v);
+      else
+        static_cast<float*>(out)[r * K + k] = v;
+    }
   }
-
-__attribute__((target("avx2,fma"))) inline __m256i dot32_avx2(__m256i w, __m256i x) {
-  return _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1));
 }
 
-__attribute__((target("avx2,fma"))) void dot_avx2(const Decoded* w, int rows, bool is_signed,
-                                                  const int8_t* a, const float* dx,
-                                                  const float* sa, int64_t K, float* out) {
-  LIFELINE_DOT_ROWS(dot32_avx2)
-}
-
-__attribute__((target("avx2,fma,avxvnni"))) inline __m256i dot32_avxvnni(__m256i w, __m256i x) {
-  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), w, x);
-}
-
-__attribute__((target("avx2,fma,avxvnni"))) void dot_avxvnni(const Decoded* w, int rows,
-                                                             bool is_signed, const int8_t* a,
-                                                             const float* dx, const float* sa,
-                                                             int64_t K, float* out) {
-  LIFELINE_DOT_ROWS(dot32_avxvnni)
-}
-
-__attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni"))) inline __m256i
-dot32_avx512vnni(__m256i w, __m256i x) {
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
-}
-
-__attribute__((target("avx2,fma,avx512f,avx512vl,avx512bw,avx512vnni"))) void dot_avx512vnni(
-    const Decoded* w, int rows, bool is_signed, const int8_t* a, const float* dx,
-    const float* sa, int64_t K, float* out) {
-  LIFELINE_DOT_ROWS(dot32_avx512vnni)
-}
-
-using DotFn = void (*)(const Decoded*, int, bool, const int8_t*, const float*, const float*,
-                       int64_t, float*);
-
-DotFn dot_for(int path) {
+DequantRows dequant_rows_for(int path) {
   switch (path) {
-    case PATH_AVX512VNNI: return dot_avx512vnni;
-    case PATH_AVXVNNI: return dot_avxvnni;
-    case PATH_AVX2: return dot_avx2;
-    default: return dot_scalar;
+    case PATH_AVX512VNNI: return isa_avx512vnni::dequant_rows;
+    case PATH_AVXVNNI: return isa_avxvnni::dequant_rows;
+    case PATH_AVX2: return isa_avx2::dequant_rows;
+    default: return dequant_rows_scalar;
+  }
+}
+
+LinearRows linear_rows_for(int path) {
+  switch (path) {
+    case PATH_AVX512VNNI: return isa_avx512vnni::linear_rows;
+    case PATH_AVXVNNI: return isa_avxvnni::linear_rows;
+    case PATH_AVX2: return isa_avx2::linear_rows;
+    default: return linear_rows_scalar;
   }
 }
 
@@ -367,6 +394,45 @@ void check_weight(const at::Tensor& w, int64_t qtype, int64_t K, TypeInfo* info,
               w.size(1));
 }
 
+
+// [0, n) in contiguous ranges of at least `grain` rows on PyTorch's intra-op threads (OpenMP:
+// the team the compiled graph's own kernels use; a pool of our own spinning beside it cost
+// 3x a product on two cores, docs/performance.md).
+void parallel_ranges(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn) {
+  if (n <= 0) return;
+  at::parallel_for(0, n, grain, fn);
+}
+
+// Batches of at least `gemm_min_rows` rows (prefill) take another road: the weight is decoded
+// once into a float32 or bfloat16 matrix (a transient buffer, freed after the call) and
+// multiplied by PyTorch's GEMM (oneDNN: AMX or AVX512-BF16 where the CPU has them), which at
+// hundreds of rows beats any dot-product kernel. 0 = never (`gguf_set_gemm`).
+std::atomic<int64_t> gemm_min_rows{0};
+std::atomic<bool> gemm_bf16{false};
+
+// `scratch`: where to decode (grown as needed and kept: a fresh buffer each call is a fresh
+// mapping whose every page faults), else a new tensor.
+at::Tensor dequantize_matrix(const at::Tensor& w, int64_t qtype, int64_t K, bool bf16,
+                             at::Tensor* scratch = nullptr) {
+  const int64_t M = w.size(0), row_bytes = w.size(1);
+  const auto dtype = bf16 ? at::kBFloat16 : at::kFloat;
+  at::Tensor out;
+  if (scratch != nullptr) {
+    if (!scratch->defined() || scratch->scalar_type() != dtype || scratch->numel() < M * K)
+      *scratch = at::empty({M * K}, w.options().dtype(dtype));
+    out = scratch->narrow(0, 0, M * K).view({M, K});
+  } else {
+    out = at::empty({M, K}, w.options().dtype(dtype));
+  }
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  void* op = out.data_ptr();
+  const DequantRows rows = dequant_rows_for(current_path());
+  parallel_ranges(M, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
+    rows(qtype, wp, row_bytes, begin, end, K, op, bf16);
+  });
+  return out;
+}
+
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
                        int64_t out_features) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "gguf_linear: x must be float32 [N, K]");
@@ -375,35 +441,33 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
   check_weight(w, qtype, K, &info, "gguf_linear");
   TORCH_CHECK(out_features == M, "gguf_linear: ", M, " weight rows, not ", out_features);
   auto xc = x.contiguous();
+  const int64_t gemm_rows = gemm_min_rows.load(std::memory_order_relaxed);
+  if (gemm_rows > 0 && N >= gemm_rows && M > 0) {
+    const bool bf16 = gemm_bf16.load(std::memory_order_relaxed);
+    // one buffer per thread (engines of several models may run at once), the size of the
+    // largest weight it has decoded: freed with the thread
+    thread_local at::Tensor scratch;
+    const auto wd = dequantize_matrix(w, qtype, K, bf16, &scratch);
+    return bf16 ? at::linear(xc.to(at::kBFloat16), wd).to(at::kFloat) : at::linear(xc, wd);
+  }
   auto out = at::empty({N, M}, x.options());
   if (N == 0 || M == 0) return out;
   // the activations, quantized once
   std::vector<int8_t> a(N * K);
-  std::vector<float> dx(N * K / 32), sa(N * K / 16);
+  std::vector<float> dx(N * K / 32), s16(N * K / 16), s32(N * K / 32);
   const float* xp = xc.data_ptr<float>();
   for (int64_t n = 0; n < N; ++n)
-    quantize_row(xp + n * K, K, a.data() + n * K, dx.data() + n * K / 32, sa.data() + n * K / 16);
+    quantize_row(xp + n * K, K, a.data() + n * K, dx.data() + n * K / 32, s16.data() + n * K / 16,
+                 s32.data() + n * K / 32);
+  const Acts acts{a.data(), dx.data(), s16.data(), s32.data(), K};
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const int64_t row_bytes = w.size(1);
   float* op = out.data_ptr<float>();
-  const DotFn dot = dot_for(current_path());
-  const bool is_signed = qtype == Q8_0;
-  // groups of ROWS rows per task: enough work to be worth a thread, at least
-  const int64_t groups = (M + ROWS - 1) / ROWS;
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(1, ROWS * K * N));
-  at::parallel_for(0, groups, grain, [&](int64_t begin, int64_t end) {
-    std::vector<Decoded> rows(ROWS, Decoded(K));
-    float part[ROWS];
-    for (int64_t g = begin; g < end; ++g) {
-      const int64_t first = g * ROWS;
-      const int count = static_cast<int>(std::min<int64_t>(ROWS, M - first));
-      for (int r = 0; r < count; ++r) rows[r].decode(qtype, wp + (first + r) * row_bytes, K);
-      for (int64_t n = 0; n < N; ++n) {
-        dot(rows.data(), count, is_signed, a.data() + n * K, dx.data() + n * K / 32,
-            sa.data() + n * K / 16, K, part);
-        for (int r = 0; r < count; ++r) op[n * M + first + r] = part[r];
-      }
-    }
+  const LinearRows rows = linear_rows_for(current_path());
+  // a thread gets at least ~256K multiply-adds: a small product runs on the calling thread
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, K * N));
+  parallel_ranges(M, grain, [&](int64_t begin, int64_t end) {
+    rows(qtype, wp, row_bytes, begin, end, acts, N, op, M);
   });
   return out;
 }
@@ -441,7 +505,19 @@ at::Tensor gguf_get_rows(const at::Tensor& w, int64_t qtype, const at::Tensor& i
   }() : std::vector<int64_t>{K});
 }
 
+at::Tensor gguf_dequantize(const at::Tensor& w, int64_t qtype, int64_t K, bool bf16) {
+  TypeInfo info;
+  check_weight(w, qtype, K, &info, "gguf_dequantize");
+  return dequantize_matrix(w, qtype, K, bf16);
+}
+
 int64_t gguf_kernel_path() { return current_path(); }
+
+int64_t gguf_set_gemm(int64_t min_rows, bool bf16) {
+  gemm_bf16.store(bf16, std::memory_order_relaxed);
+  gemm_min_rows.store(std::max<int64_t>(0, min_rows), std::memory_order_relaxed);
+  return gemm_min_rows.load();
+}
 
 int64_t gguf_force_path(int64_t path) {
   forced_path.store(static_cast<int>(path), std::memory_order_relaxed);
@@ -453,11 +529,332 @@ int64_t gguf_force_path(int64_t path) {
 TORCH_LIBRARY(lifeline_gguf, m) {
   m.def("gguf_linear(Tensor x, Tensor w, int qtype, int out_features) -> Tensor");
   m.def("gguf_get_rows(Tensor w, int qtype, Tensor ids, int K) -> Tensor");
+  m.def("gguf_dequantize(Tensor w, int qtype, int K, bool bf16) -> Tensor");
   m.def("gguf_kernel_path() -> int", gguf_kernel_path);
   m.def("gguf_force_path(int path) -> int", gguf_force_path);
+  m.def("gguf_set_gemm(int min_rows, bool bf16) -> int", gguf_set_gemm);
 }
 
 TORCH_LIBRARY_IMPL(lifeline_gguf, CPU, m) {
   m.impl("gguf_linear", gguf_linear);
   m.impl("gguf_get_rows", gguf_get_rows);
+  m.impl("gguf_dequantize", gguf_dequantize);
 }
+#else  // LIFELINE_GGUF_KERNEL_PASS: the kernels of one instruction set (see above)
+
+inline float h16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+inline __m256i load32(const void* p) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// 32 bits to 32 bytes, 0xFF where the bit is set (byte i from bit i).
+inline __m256i bits_to_bytes(uint32_t bits) {
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(bits)),
+      _mm256_setr_epi64x(0x0000000000000000LL, 0x0101010101010101LL, 0x0202020202020202LL,
+                         0x0303030303030303LL));
+  const __m256i mask = _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL);
+  return _mm256_cmpeq_epi8(_mm256_or_si256(spread, mask), _mm256_set1_epi64x(-1LL));
+}
+
+// One weight row against NC activation rows n0.. (out[c * ostride]): the row's blocks are
+// unpacked in registers once and dotted with each activation row. Two accumulators per row
+// (even and odd blocks) keep the multiply-add chains short at NC = 1.
+template <int T, int NC>
+void legacy_rows(const uint8_t* w, int64_t nb, const Acts& x, int64_t n0, float* out,
+                 int64_t ostride) {
+  constexpr int BYTES = T == Q4_0 ? 18 : T == Q4_1 ? 20 : T == Q5_0 ? 22 : 34;
+  const int64_t K = x.K;
+  __m256 acc[NC][2];
+  float off[NC][2];
+  for (int c = 0; c < NC; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps(), off[c][0] = off[c][1] = 0.f;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = w + b * BYTES;
+    const float d = h16(blk);
+    __m256i u;
+    float m = 0.f;
+    if constexpr (T == Q8_0) {
+      u = load32(blk + 2);
+    } else {
+      const __m128i q = _mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(blk + (T == Q4_1 ? 4 : T == Q5_0 ? 6 : 2)));
+      u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
+      if constexpr (T == Q5_0) {
+        uint32_t qh;
+        std::memcpy(&qh, blk + 2, 4);
+        u = _mm256_or_si256(u, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
+        m = -16.f * d;
+      } else if constexpr (T == Q4_1) {
+        m = h16(blk + 2);
+      } else {
+        m = -8.f * d;
+      }
+    }
+    __m256i ua = u;
+    if constexpr (T == Q8_0) ua = _mm256_sign_epi8(u, u);
+    for (int c = 0; c < NC; ++c) {
+      const int64_t n = n0 + c;
+      __m256i a = load32(x.a + n * K + 32 * b);
+      if constexpr (T == Q8_0) a = _mm256_sign_epi8(a, u);
+      const float s = d * x.dx[n * (K / 32) + b];
+      acc[c][b & 1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(ua, a)), _mm256_set1_ps(s),
+                                      acc[c][b & 1]);
+      if constexpr (T != Q8_0) off[c][b & 1] += m * x.s32[n * (K / 32) + b];
+    }
+  }
+  for (int c = 0; c < NC; ++c)
+    out[c * ostride] = hsum(_mm256_add_ps(acc[c][0], acc[c][1])) + (off[c][0] + off[c][1]);
+}
+
+// Q4_K and Q5_K: 256 values in 8 sub-blocks of 32, each w = (d sc) u - (dmin mn).
+template <int T, int NC>
+void k45_rows(const uint8_t* w, int64_t nb, const Acts& x, int64_t n0, float* out,
+              int64_t ostride) {
+  constexpr int BYTES = T == Q4_K ? 144 : 176;
+  const int64_t K = x.K;
+  __m256 acc[NC][2];
+  float off[NC];
+  for (int c = 0; c < NC; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps(), off[c] = 0.f;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), five = _mm256_set1_epi8(0x10);
+  for (int64_t sb = 0; sb < nb; ++sb) {
+    const uint8_t* blk = w + sb * BYTES;
+    const float d = h16(blk), dmin = h16(blk + 2);
+    float sc[8], mn[8];
+    for (int j = 0; j < 8; ++j) {
+      uint8_t s, mm;
+      scale_min_k4(j, blk + 4, &s, &mm);
+      sc[j] = d * s;
+      mn[j] = dmin * mm;
+    }
+    const uint8_t* qs = blk + (T == Q4_K ? 16 : 48);
+    __m256i hv = _mm256_setzero_si256();
+    if constexpr (T == Q5_K) hv = load32(blk + 16);
+    for (int c = 0; c < NC; ++c) {
+      const float* s32 = x.s32 + (n0 + c) * (K / 32) + 8 * sb;
+      float o = 0.f;
+      for (int j = 0; j < 8; ++j) o += mn[j] * s32[j];
+      off[c] -= o;
+    }
+    for (int i = 0; i < 4; ++i) {
+      const __m256i q = load32(qs + 32 * i);
+      __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+      if constexpr (T == Q5_K) {
+        const __m256i b0 = _mm256_set1_epi8(static_cast<char>(1 << (2 * i)));
+        const __m256i b1 = _mm256_set1_epi8(static_cast<char>(2 << (2 * i)));
+        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, b0), b0), five));
+        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, b1), b1), five));
+      }
+      const int64_t j = 8 * sb + 2 * i;  // the activation block of `lo`
+      for (int c = 0; c < NC; ++c) {
+        const int64_t n = n0 + c;
+        const int8_t* a = x.a + n * K + 32 * j;
+        const float* dx = x.dx + n * (K / 32) + j;
+        acc[c][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(lo, load32(a))),
+                                    _mm256_set1_ps(sc[2 * i] * dx[0]), acc[c][0]);
+        acc[c][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32(hi, load32(a + 32))),
+                                    _mm256_set1_ps(sc[2 * i + 1] * dx[1]), acc[c][1]);
+      }
+    }
+  }
+  for (int c = 0; c < NC; ++c) out[c * ostride] = hsum(_mm256_add_ps(acc[c][0], acc[c][1])) + off[c];
+}
+
+// Q6_K: 256 values, 16 sub-blocks of 16 with signed 8-bit scales, w = (d sc) (u - 32).
+template <int NC>
+void q6k_rows(const uint8_t* w, int64_t nb, const Acts& x, int64_t n0, float* out,
+              int64_t ostride) {
+  const int64_t K = x.K;
+  __m256 acc[NC][2];
+  float off[NC];
+  for (int c = 0; c < NC; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps(), off[c] = 0.f;
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+  for (int64_t sb = 0; sb < nb; ++sb) {
+    const uint8_t* blk = w + sb * 210;
+    const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = h16(blk + 208);
+    for (int h = 0; h < 2; ++h) {
+      const __m256i q0 = load32(blk + 64 * h), q1 = load32(blk + 64 * h + 32);
+      const __m256i hh = load32(blk + 128 + 32 * h);
+      __m256i u[4];
+      u[0] = _mm256_or_si256(_mm256_and_si256(q0, m4),
+                             _mm256_slli_epi16(_mm256_and_si256(hh, m3), 4));
+      u[1] = _mm256_or_si256(_mm256_and_si256(q1, m4),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), m3), 4));
+      u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q0, 4), m4),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), m3), 4));
+      u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q1, 4), m4),
+                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), m3), 4));
+      for (int k = 0; k < 4; ++k) {
+        const float slo = d * scales[8 * h + 2 * k], shi = d * scales[8 * h + 2 * k + 1];
+        const int64_t j = 8 * sb + 4 * h + k;
+        for (int c = 0; c < NC; ++c) {
+          const int64_t n = n0 + c;
+          const float dx = x.dx[n * (K / 32) + j];
+          const float* s16 = x.s16 + n * (K / 16) + 2 * j;
+          const __m256 scale = _mm256_set_m128(_mm_set1_ps(shi * dx), _mm_set1_ps(slo * dx));
+          acc[c][k & 1] = _mm256_fmadd_ps(
+              _mm256_cvtepi32_ps(dot32(u[k], load32(x.a + n * K + 32 * j))), scale, acc[c][k & 1]);
+          off[c] -= 32.f * (slo * s16[0] + shi * s16[1]);
+        }
+      }
+    }
+  }
+  for (int c = 0; c < NC; ++c) out[c * ostride] = hsum(_mm256_add_ps(acc[c][0], acc[c][1])) + off[c];
+}
+
+template <int NC>
+void dot_rows(int64_t qtype, const uint8_t* w, const Acts& x, int64_t n0, float* out,
+              int64_t ostride) {
+  switch (qtype) {
+    case Q4_0: return legacy_rows<Q4_0, NC>(w, x.K / 32, x, n0, out, ostride);
+    case Q4_1: return legacy_rows<Q4_1, NC>(w, x.K / 32, x, n0, out, ostride);
+    case Q5_0: return legacy_rows<Q5_0, NC>(w, x.K / 32, x, n0, out, ostride);
+    case Q8_0: return legacy_rows<Q8_0, NC>(w, x.K / 32, x, n0, out, ostride);
+    case Q4_K: return k45_rows<Q4_K, NC>(w, x.K / 256, x, n0, out, ostride);
+    case Q5_K: return k45_rows<Q5_K, NC>(w, x.K / 256, x, n0, out, ostride);
+    case Q6_K: return q6k_rows<NC>(w, x.K / 256, x, n0, out, ostride);
+  }
+}
+
+// Weight rows [r0, r1) against all N activation rows, four at a time: out [N, M].
+void linear_rows(int64_t qtype, const uint8_t* wp, int64_t row_bytes, int64_t r0, int64_t r1,
+                 const Acts& x, int64_t N, float* out, int64_t M) {
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* w = wp + r * row_bytes;
+    int64_t n = 0;
+    for (; n + 4 <= N; n += 4) dot_rows<4>(qtype, w, x, n, out + n * M + r, M);
+    switch (N - n) {
+      case 3: dot_rows<3>(qtype, w, x, n, out + n * M + r, M); break;
+      case 2: dot_rows<2>(qtype, w, x, n, out + n * M + r, M); break;
+      case 1: dot_rows<1>(qtype, w, x, n, out + n * M + r, M); break;
+    }
+  }
+}
+
+// ---- dequantization (the GEMM road for large batches): 32 values at a time from registers
+
+inline void store8(__m256 f, float* out) { _mm256_storeu_ps(out, f); }
+inline void store8(__m256 f, at::BFloat16* out) {  // round to nearest even (weights are finite)
+  const __m256i b = _mm256_castps_si256(f);
+  const __m256i round = _mm256_add_epi32(
+      _mm256_set1_epi32(0x7FFF), _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1)));
+  const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(b, round), 16);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(out),
+                   _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1)));
+}
+
+// 32 values d u + m, values 0-15 by (d0, m0) and 16-31 by (d1, m1); u signed where SIGNED.
+template <bool SIGNED, class Out>
+inline void emit32(__m256i u, float d0, float m0, float d1, float m1, Out* out) {
+  const __m128i halves[2] = {_mm256_castsi256_si128(u), _mm256_extracti128_si256(u, 1)};
+  for (int h = 0; h < 2; ++h) {
+    const __m256 d = _mm256_set1_ps(h ? d1 : d0), m = _mm256_set1_ps(h ? m1 : m0);
+    for (int q = 0; q < 2; ++q) {
+      const __m128i bytes = q ? _mm_srli_si128(halves[h], 8) : halves[h];
+      const __m256i v = SIGNED ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+      store8(_mm256_fmadd_ps(_mm256_cvtepi32_ps(v), d, m), out + 16 * h + 8 * q);
+    }
+  }
+}
+
+template <class Out>
+void dequant_row(int64_t qtype, const uint8_t* w, int64_t K, Out* out) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+  const __m256i five = _mm256_set1_epi8(0x10);
+  if (qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q8_0) {
+    const int64_t bytes = qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q5_0 ? 22 : 34;
+    for (int64_t b = 0; b < K / 32; ++b) {
+      const uint8_t* blk = w + b * bytes;
+      const float d = h16(blk);
+      if (qtype == Q8_0) {
+        emit32<true>(load32(blk + 2), d, 0.f, d, 0.f, out + 32 * b);
+        continue;
+      }
+      const __m128i q = _mm_loadu_si128(
+          reinterpret_cast<const __m128i*>(blk + (qtype == Q4_1 ? 4 : qtype == Q5_0 ? 6 : 2)));
+      __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
+      float m = -8.f * d;
+      if (qtype == Q5_0) {
+        uint32_t qh;
+        std::memcpy(&qh, blk + 2, 4);
+        u = _mm256_or_si256(u, _mm256_and_si256(bits_to_bytes(qh), five));
+        m = -16.f * d;
+      } else if (qtype == Q4_1) {
+        m = h16(blk + 2);
+      }
+      emit32<false>(u, d, m, d, m, out + 32 * b);
+    }
+  } else if (qtype == Q4_K || qtype == Q5_K) {
+    const int64_t bytes = qtype == Q4_K ? 144 : 176;
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+      const uint8_t* blk = w + sb * bytes;
+      const float d = h16(blk), dmin = h16(blk + 2);
+      const uint8_t* qs = blk + (qtype == Q4_K ? 16 : 48);
+      const __m256i hv = qtype == Q5_K ? load32(blk + 16) : _mm256_setzero_si256();
+      for (int i = 0; i < 4; ++i) {
+        const __m256i q = load32(qs + 32 * i);
+        __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+        if (qtype == Q5_K) {
+          const __m256i b0 = _mm256_set1_epi8(static_cast<char>(1 << (2 * i)));
+          const __m256i b1 = _mm256_set1_epi8(static_cast<char>(2 << (2 * i)));
+          lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, b0), b0), five));
+          hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, b1), b1), five));
+        }
+        uint8_t s0, n0, s1, n1;
+        scale_min_k4(2 * i, blk + 4, &s0, &n0);
+        scale_min_k4(2 * i + 1, blk + 4, &s1, &n1);
+        Out* o = out + 256 * sb + 64 * i;
+        emit32<false>(lo, d * s0, -dmin * n0, d * s0, -dmin * n0, o);
+        emit32<false>(hi, d * s1, -dmin * n1, d * s1, -dmin * n1, o + 32);
+      }
+    }
+  } else {  // Q6_K
+    for (int64_t sb = 0; sb < K / 256; ++sb) {
+      const uint8_t* blk = w + sb * 210;
+      const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
+      const float d = h16(blk + 208);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i q0 = load32(blk + 64 * h), q1 = load32(blk + 64 * h + 32);
+        const __m256i hh = load32(blk + 128 + 32 * h);
+        __m256i u[4];
+        u[0] = _mm256_or_si256(_mm256_and_si256(q0, m4),
+                               _mm256_slli_epi16(_mm256_and_si256(hh, m3), 4));
+        u[1] = _mm256_or_si256(_mm256_and_si256(q1, m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), m3), 4));
+        u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q0, 4), m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), m3), 4));
+        u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q1, 4), m4),
+                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), m3), 4));
+        for (int k = 0; k < 4; ++k) {
+          const float s0 = d * scales[8 * h + 2 * k], s1 = d * scales[8 * h + 2 * k + 1];
+          emit32<false>(u[k], s0, -32.f * s0, s1, -32.f * s1, out + 256 * sb + 128 * h + 32 * k);
+        }
+      }
+    }
+  }
+}
+
+void dequant_rows(int64_t qtype, const uint8_t* wp, int64_t row_bytes, int64_t r0, int64_t r1,
+                  int64_t K, void* out, bool bf16) {
+  for (int64_t r = r0; r < r1; ++r) {
+    if (bf16)
+      dequant_row(qtype, wp + r * row_bytes, K, static_cast<at::BFloat16*>(out) + r * K);
+    else
+      dequant_row(qtype, wp + r * row_bytes, K, static_cast<float*>(out) + r * K);
+  }
+}
+
+#endif  // LIFELINE_GGUF_KERNEL_PASS

@@ -31,6 +31,9 @@ class StoredTensor:
     raw: torch.Tensor
     qtype: int
     cols: int
+    row_order: torch.Tensor | None = None
+    """Where the model's rows are not the file's order (Llama's q/k, which llama.cpp's converter
+    interleaves for its RoPE): model row i is file row `row_order[i]`. Layer weights only."""
 
     @classmethod
     def from_file(cls, data: np.ndarray, qtype: GGMLQuantizationType, shape: tuple[int, ...]
@@ -51,6 +54,82 @@ class StoredTensor:
     @property
     def nbytes(self) -> int:
         return self.raw.numel()
+
+    def in_model_order(self) -> torch.Tensor:
+        """`raw` with its rows in the model's order: the file's own view where they are, else a
+        copy of the quantized bytes (never of float values)."""
+        return self.raw if self.row_order is None else self.raw[self.row_order].contiguous()
+
+
+class GGUFLinear(nn.Module):
+    """`nn.Linear` computed straight from a GGUF tensor's quantized blocks
+    (`lifeline_gguf::gguf_linear`, lifeline/csrc/gguf_ops.cpp): the activations quantized to
+    int8 in blocks of 32 (llama.cpp's Q8_0 for activations) and dotted with the blocks as
+    stored, or, from `GEMM_MIN_ROWS` rows (a prefill, a large batch), the weight decoded into a
+    transient buffer for PyTorch's GEMM (`configure_gemm`). The weight's bytes are the file's
+    (a view of its memory map) or, for stacked or reordered rows, a copy of them."""
+
+    def __init__(self, raw: torch.Tensor, qtype: int, in_features: int,
+                 bias: torch.Tensor | None = None):
+        super().__init__()
+        register_fakes()
+        self.register_buffer("raw", raw, persistent=False)
+        self.qtype, self.in_features, self.out_features = int(qtype), in_features, raw.shape[0]
+        self.bias = bias
+
+    @classmethod
+    def stack(cls, parts: list[StoredTensor], bias: torch.Tensor | None = None) -> GGUFLinear:
+        """One layer over several stored tensors' rows (q/k/v, gate/up: the same input), which
+        must share a block type."""
+        raws = [part.in_model_order() for part in parts]
+        raw = raws[0] if len(raws) == 1 else torch.cat(raws)
+        return cls(raw, parts[0].qtype, parts[0].cols, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.lifeline_gguf.gguf_linear(
+            x.reshape(-1, shape[-1]).float().contiguous(), self.raw, self.qtype, self.out_features)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"type={GGMLQuantizationType(self.qtype).name} (as stored)")
+
+
+GEMM_MIN_ROWS_BF16 = 8
+"""Rows from which a GGUF product decodes its weight for PyTorch's bfloat16 GEMM, on a CPU
+with native bfloat16 (AMX or AVX512-BF16): measured on Sapphire Rapids (docs/performance.md),
+at 16 rows the GEMM road takes 0.6x the dot kernels' time, at 512 rows 0.07x."""
+GEMM_MIN_ROWS_FP32 = 16
+"""The same in float32, on a CPU without native bfloat16."""
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AMX or AVX512-BF16), as /proc/cpuinfo
+    says; False where it cannot be read."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
+
+
+def configure_gemm(min_rows: int | None = None, bf16: bool | None = None) -> tuple[int, bool]:
+    """Set when GGUF products take the GEMM road (`GGUFLinear`): by default bfloat16 from
+    `GEMM_MIN_ROWS_BF16` rows where the CPU has native bfloat16, float32 from
+    `GEMM_MIN_ROWS_FP32` where not; `min_rows=0` never. Returns what was set."""
+    if bf16 is None:
+        bf16 = native_bf16()
+    if min_rows is None:
+        min_rows = GEMM_MIN_ROWS_BF16 if bf16 else GEMM_MIN_ROWS_FP32
+    torch.ops.lifeline_gguf.gguf_set_gemm(min_rows, bf16)
+    return min_rows, bf16
 
 
 class StoredEmbedding(nn.Module):

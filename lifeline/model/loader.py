@@ -130,16 +130,23 @@ def _unpermute_rope(w: torch.Tensor, num_heads: int) -> torch.Tensor:
         w.shape)
 
 
-def _stored_tensors(gf: GGUFFile) -> dict[str, StoredTensor]:
-    """The vocabulary tensors the GGUF kernels can read as stored, by our parameter names: a
-    weight format may then drop their float32 copies (lifeline.model.gguf_rows)."""
+def _stored_tensors(gf: GGUFFile, cfg: ModelConfig) -> dict[str, StoredTensor]:
+    """Every 2-D tensor the GGUF kernels can read as stored, by our parameter names: a weight
+    format may then drop their float32 copies (lifeline.model.gguf_rows). Views of the memory
+    map: nothing is read until used."""
+    ffn_norm = registry.family(cfg.architecture).gguf_ffn_norm
     stored = {}
-    for gguf_name, name in (("token_embd.weight", "embed_tokens.weight"),
-                            ("output.weight", "lm_head.weight")):
-        if gguf_name in gf:
-            tensor = StoredTensor.from_file(*gf.raw(gguf_name))
-            if tensor is not None:
-                stored[name] = tensor
+    for gguf_name in gf.tensor_names:
+        if gguf_name.startswith("rope_freqs") or not gguf_name.endswith(".weight"):
+            continue
+        tensor = StoredTensor.from_file(*gf.raw(gguf_name))
+        if tensor is None:
+            continue
+        if cfg.architecture == "llama" and re.search(r"attn_[qk]\.weight", gguf_name):
+            heads = cfg.num_heads if "attn_q" in gguf_name else cfg.num_kv_heads
+            order = _unpermute_rope(torch.arange(tensor.raw.shape[0]), heads)
+            tensor = StoredTensor(tensor.raw, tensor.qtype, tensor.cols, order)
+        stored[gguf_tensor_name(gguf_name).replace("ffn_norm", ffn_norm)] = tensor
     return stored
 
 
@@ -158,7 +165,7 @@ def load_gguf(path: str | Path, dummy: bool = False, device: str | None = None
         init_dummy_weights(model, device=device)
     else:
         load_weights(model, _gguf_weights(gf, cfg))
-        model.stored_tensors = _stored_tensors(gf)
+        model.stored_tensors = _stored_tensors(gf, cfg)
         gf.release_pages()
     types = sorted({gf.tensor_type(n).name for n in gf.tensor_names})
     return LoadedModel(model.eval(), cfg, tokenizer, str(path), "gguf:" + "+".join(types))

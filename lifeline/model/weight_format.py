@@ -1,5 +1,6 @@
-"""Weight formats a loaded model can run in: float32 as loaded, a bf16 or int8 LM head, or int8
-everywhere (`int8-all`, the command line's default).
+"""Weight formats a loaded model can run in: float32 as loaded, a bf16 or int8 LM head, int8
+everywhere (`int8-all`, the command line's default), or every layer from a GGUF file's own
+blocks (`gguf`: `_as_stored`, lifeline.model.gguf_rows.GGUFLinear).
 
 The LM head is most of a float32 decode step's bytes and FLOPs (262,144 x 640 for Gemma 3 270M;
 see docs/performance.md). `int8-all` also runs every layer projection in int8 with per-row
@@ -44,11 +45,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lifeline.model.gguf_rows import StoredEmbedding, StoredTensor
+from lifeline.model.gguf_rows import GGUFLinear, StoredEmbedding, StoredTensor, configure_gemm
 from lifeline.model.layers.linear import FusedProjections
 from lifeline.model.registry import family_of
 
-WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int8-all")
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int8-all", "gguf")
 RESCORE_TOP = 64
 """Tokens per row whose logits are recomputed in float32."""
 ROTATE_BLOCK = 32
@@ -401,9 +402,58 @@ def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
                     if type(child) is nn.Linear:
                         rotate = 0 if name in folded else rotation_block(child.in_features)
                         setattr(parent, name, Int8Linear(child, rescore_top=0, rotate=rotate))
+    elif fmt == "gguf":
+        _as_stored(model)
     if fmt != "fp32":
         model.applied_weight_format = fmt
     return model
+
+
+def _as_stored(model: nn.Module) -> None:
+    """`gguf`: every projection and the input embedding computed from the GGUF file's own
+    blocks (`GGUFLinear`, `StoredEmbedding`), the head as `int8`'s; the projections a family
+    fuses are stacked where they share a block type. A tensor the kernels cannot read (a float or
+    another block type) keeps its float32 layer."""
+    head = model.lm_head
+    if head.weight.device.type != "cpu":
+        raise ValueError("weights as stored (gguf) run on the CPU only")
+    stored = dict(getattr(model, "stored_tensors", None) or {})
+    if not stored:
+        raise ValueError("weights as stored (gguf) need a GGUF file whose block types the "
+                         "kernels read (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K)")
+    configure_gemm()
+    vocab = _stored(model, head)
+    # The head stays int8 with its shortlist rescored from the stored rows (as `int8-all`):
+    # fbgemm reads Gemma 3's 262k x 640 head in 6.3 ms where the Q8_0 kernel takes 15.9
+    # (docs/performance.md), and its bytes are the size of the file's Q8_0 rows, which
+    # the embedding then touches only for the tokens it looks up.
+    model.lm_head = Int8Linear(head, rotate=rotation_block(head.in_features),
+                               stored=vocab.get("lm_head.weight"))
+    if "embed_tokens.weight" in vocab:
+        model.embed_tokens = StoredEmbedding(vocab["embed_tokens.weight"])
+    fusable = family_of(model).fused
+    for i, layer in enumerate(model.layers):
+        for parent_name, parent in layer.named_children():
+            prefix = f"layers.{i}.{parent_name}."
+            for fused, names in fusable:
+                parts = [stored.get(prefix + name + ".weight") for name in names]
+                linears = [getattr(parent, name, None) for name in names]
+                if any(p is None for p in parts) or len({p.qtype for p in parts}) != 1 or \
+                        any(type(lin) is not nn.Linear for lin in linears):
+                    continue
+                bias = None
+                if any(lin.bias is not None for lin in linears):
+                    bias = torch.cat([lin.bias.detach() if lin.bias is not None
+                                      else torch.zeros(lin.out_features) for lin in linears])
+                setattr(parent, fused, FusedProjections(
+                    GGUFLinear.stack(parts, bias), [lin.out_features for lin in linears]))
+                for name in names:
+                    delattr(parent, name)
+            for name, child in list(parent.named_children()):
+                part = stored.get(prefix + name + ".weight")
+                if type(child) is nn.Linear and part is not None:
+                    setattr(parent, name, GGUFLinear.stack([part], child.bias))
+    model.stored_tensors = {}  # the layers hold what they use
 
 
 def _stored(model: nn.Module, head: nn.Module) -> dict[str, StoredTensor]:
