@@ -569,6 +569,54 @@ inline __m256i bits_to_bytes(uint32_t bits) {
   return _mm256_cmpeq_epi8(_mm256_or_si256(spread, mask), _mm256_set1_epi64x(-1LL));
 }
 
+// ---- block unpacking, shared by the dot kernels and the dequantizer
+
+// A legacy block (Q4_0, Q4_1, Q5_0; not Q8_0) as w = d u + m: u in 32 bytes, d and m returned.
+inline __m256i unpack_legacy(int64_t qtype, const uint8_t* blk, float* d, float* m) {
+  *d = h16(blk);
+  const __m128i q = _mm_loadu_si128(
+      reinterpret_cast<const __m128i*>(blk + (qtype == Q4_1 ? 4 : qtype == Q5_0 ? 6 : 2)));
+  __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+  if (qtype == Q5_0) {
+    uint32_t qh;
+    std::memcpy(&qh, blk + 2, 4);
+    u = _mm256_or_si256(u, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
+    *m = -16.f * *d;
+  } else {
+    *m = qtype == Q4_1 ? h16(blk + 2) : -8.f * *d;
+  }
+  return u;
+}
+
+// Q4_K / Q5_K: sub-blocks 2i (lo) and 2i+1 (hi) of a super-block, from its 32 bytes `qs + 32 i`
+// (and, for Q5_K, the high bits `hv`).
+inline void unpack_k45(bool five_bits, const uint8_t* qs, __m256i hv, int i, __m256i* lo,
+                       __m256i* hi) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), bit5 = _mm256_set1_epi8(0x10);
+  const __m256i q = load32(qs + 32 * i);
+  *lo = _mm256_and_si256(q, m4);
+  *hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+  if (five_bits) {
+    const __m256i b0 = _mm256_set1_epi8(static_cast<char>(1 << (2 * i)));
+    const __m256i b1 = _mm256_set1_epi8(static_cast<char>(2 << (2 * i)));
+    *lo = _mm256_or_si256(*lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, b0), b0), bit5));
+    *hi = _mm256_or_si256(*hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, b1), b1), bit5));
+  }
+}
+
+// Q6_K: half h of a super-block as four groups of 32 unsigned 6-bit values (w = (d sc)(u - 32)).
+inline void unpack_q6k_half(const uint8_t* blk, int h, __m256i u[4]) {
+  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
+  const __m256i q0 = load32(blk + 64 * h), q1 = load32(blk + 64 * h + 32);
+  const __m256i hh = load32(blk + 128 + 32 * h);
+  for (int k = 0; k < 4; ++k) {
+    const __m256i low = _mm256_and_si256(k < 2 ? (k ? q1 : q0)
+                                                : _mm256_srli_epi16(k == 3 ? q1 : q0, 4), m4);
+    const __m256i high = _mm256_and_si256(_mm256_srli_epi16(hh, 2 * k), m3);
+    u[k] = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));
+  }
+}
+
 // One weight row against NC activation rows n0.. (out[c * ostride]): the row's blocks are
 // unpacked in registers once and dotted with each activation row. Two accumulators per row
 // (even and odd blocks) keep the multiply-add chains short at NC = 1.
@@ -580,28 +628,15 @@ void legacy_rows(const uint8_t* w, int64_t nb, const Acts& x, int64_t n0, float*
   __m256 acc[NC][2];
   float off[NC][2];
   for (int c = 0; c < NC; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps(), off[c][0] = off[c][1] = 0.f;
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = w + b * BYTES;
-    const float d = h16(blk);
+    float d, m = 0.f;
     __m256i u;
-    float m = 0.f;
     if constexpr (T == Q8_0) {
+      d = h16(blk);
       u = load32(blk + 2);
     } else {
-      const __m128i q = _mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(blk + (T == Q4_1 ? 4 : T == Q5_0 ? 6 : 2)));
-      u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
-      if constexpr (T == Q5_0) {
-        uint32_t qh;
-        std::memcpy(&qh, blk + 2, 4);
-        u = _mm256_or_si256(u, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
-        m = -16.f * d;
-      } else if constexpr (T == Q4_1) {
-        m = h16(blk + 2);
-      } else {
-        m = -8.f * d;
-      }
+      u = unpack_legacy(T, blk, &d, &m);
     }
     __m256i ua = u;
     if constexpr (T == Q8_0) ua = _mm256_sign_epi8(u, u);
@@ -628,7 +663,6 @@ void k45_rows(const uint8_t* w, int64_t nb, const Acts& x, int64_t n0, float* ou
   __m256 acc[NC][2];
   float off[NC];
   for (int c = 0; c < NC; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps(), off[c] = 0.f;
-  const __m256i m4 = _mm256_set1_epi8(0x0F), five = _mm256_set1_epi8(0x10);
   for (int64_t sb = 0; sb < nb; ++sb) {
     const uint8_t* blk = w + sb * BYTES;
     const float d = h16(blk), dmin = h16(blk + 2);
@@ -649,14 +683,8 @@ void k45_rows(const uint8_t* w, int64_t nb, const Acts& x, int64_t n0, float* ou
       off[c] -= o;
     }
     for (int i = 0; i < 4; ++i) {
-      const __m256i q = load32(qs + 32 * i);
-      __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-      if constexpr (T == Q5_K) {
-        const __m256i b0 = _mm256_set1_epi8(static_cast<char>(1 << (2 * i)));
-        const __m256i b1 = _mm256_set1_epi8(static_cast<char>(2 << (2 * i)));
-        lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, b0), b0), five));
-        hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, b1), b1), five));
-      }
+      __m256i lo, hi;
+      unpack_k45(T == Q5_K, qs, hv, i, &lo, &hi);
       const int64_t j = 8 * sb + 2 * i;  // the activation block of `lo`
       for (int c = 0; c < NC; ++c) {
         const int64_t n = n0 + c;
@@ -680,23 +708,13 @@ void q6k_rows(const uint8_t* w, int64_t nb, const Acts& x, int64_t n0, float* ou
   __m256 acc[NC][2];
   float off[NC];
   for (int c = 0; c < NC; ++c) acc[c][0] = acc[c][1] = _mm256_setzero_ps(), off[c] = 0.f;
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
   for (int64_t sb = 0; sb < nb; ++sb) {
     const uint8_t* blk = w + sb * 210;
     const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
     const float d = h16(blk + 208);
     for (int h = 0; h < 2; ++h) {
-      const __m256i q0 = load32(blk + 64 * h), q1 = load32(blk + 64 * h + 32);
-      const __m256i hh = load32(blk + 128 + 32 * h);
       __m256i u[4];
-      u[0] = _mm256_or_si256(_mm256_and_si256(q0, m4),
-                             _mm256_slli_epi16(_mm256_and_si256(hh, m3), 4));
-      u[1] = _mm256_or_si256(_mm256_and_si256(q1, m4),
-                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), m3), 4));
-      u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q0, 4), m4),
-                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), m3), 4));
-      u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q1, 4), m4),
-                             _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), m3), 4));
+      unpack_q6k_half(blk, h, u);
       for (int k = 0; k < 4; ++k) {
         const float slo = d * scales[8 * h + 2 * k], shi = d * scales[8 * h + 2 * k + 1];
         const int64_t j = 8 * sb + 4 * h + k;
@@ -772,29 +790,17 @@ inline void emit32(__m256i u, float d0, float m0, float d1, float m1, Out* out) 
 
 template <class Out>
 void dequant_row(int64_t qtype, const uint8_t* w, int64_t K, Out* out) {
-  const __m256i m4 = _mm256_set1_epi8(0x0F), m3 = _mm256_set1_epi8(3);
-  const __m256i five = _mm256_set1_epi8(0x10);
   if (qtype == Q4_0 || qtype == Q4_1 || qtype == Q5_0 || qtype == Q8_0) {
     const int64_t bytes = qtype == Q4_0 ? 18 : qtype == Q4_1 ? 20 : qtype == Q5_0 ? 22 : 34;
     for (int64_t b = 0; b < K / 32; ++b) {
       const uint8_t* blk = w + b * bytes;
-      const float d = h16(blk);
       if (qtype == Q8_0) {
+        const float d = h16(blk);
         emit32<true>(load32(blk + 2), d, 0.f, d, 0.f, out + 32 * b);
         continue;
       }
-      const __m128i q = _mm_loadu_si128(
-          reinterpret_cast<const __m128i*>(blk + (qtype == Q4_1 ? 4 : qtype == Q5_0 ? 6 : 2)));
-      __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), m4);
-      float m = -8.f * d;
-      if (qtype == Q5_0) {
-        uint32_t qh;
-        std::memcpy(&qh, blk + 2, 4);
-        u = _mm256_or_si256(u, _mm256_and_si256(bits_to_bytes(qh), five));
-        m = -16.f * d;
-      } else if (qtype == Q4_1) {
-        m = h16(blk + 2);
-      }
+      float d, m;
+      const __m256i u = unpack_legacy(qtype, blk, &d, &m);
       emit32<false>(u, d, m, d, m, out + 32 * b);
     }
   } else if (qtype == Q4_K || qtype == Q5_K) {
@@ -805,14 +811,8 @@ void dequant_row(int64_t qtype, const uint8_t* w, int64_t K, Out* out) {
       const uint8_t* qs = blk + (qtype == Q4_K ? 16 : 48);
       const __m256i hv = qtype == Q5_K ? load32(blk + 16) : _mm256_setzero_si256();
       for (int i = 0; i < 4; ++i) {
-        const __m256i q = load32(qs + 32 * i);
-        __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
-        if (qtype == Q5_K) {
-          const __m256i b0 = _mm256_set1_epi8(static_cast<char>(1 << (2 * i)));
-          const __m256i b1 = _mm256_set1_epi8(static_cast<char>(2 << (2 * i)));
-          lo = _mm256_or_si256(lo, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, b0), b0), five));
-          hi = _mm256_or_si256(hi, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(hv, b1), b1), five));
-        }
+        __m256i lo, hi;
+        unpack_k45(qtype == Q5_K, qs, hv, i, &lo, &hi);
         uint8_t s0, n0, s1, n1;
         scale_min_k4(2 * i, blk + 4, &s0, &n0);
         scale_min_k4(2 * i + 1, blk + 4, &s1, &n1);
@@ -827,17 +827,8 @@ void dequant_row(int64_t qtype, const uint8_t* w, int64_t K, Out* out) {
       const int8_t* scales = reinterpret_cast<const int8_t*>(blk + 192);
       const float d = h16(blk + 208);
       for (int h = 0; h < 2; ++h) {
-        const __m256i q0 = load32(blk + 64 * h), q1 = load32(blk + 64 * h + 32);
-        const __m256i hh = load32(blk + 128 + 32 * h);
         __m256i u[4];
-        u[0] = _mm256_or_si256(_mm256_and_si256(q0, m4),
-                               _mm256_slli_epi16(_mm256_and_si256(hh, m3), 4));
-        u[1] = _mm256_or_si256(_mm256_and_si256(q1, m4),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 2), m3), 4));
-        u[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q0, 4), m4),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 4), m3), 4));
-        u[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q1, 4), m4),
-                               _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hh, 6), m3), 4));
+        unpack_q6k_half(blk, h, u);
         for (int k = 0; k < 4; ++k) {
           const float s0 = d * scales[8 * h + 2 * k], s1 = d * scales[8 * h + 2 * k + 1];
           emit32<false>(u[k], s0, -32.f * s0, s1, -32.f * s1, out + 256 * sb + 128 * h + 32 * k);
