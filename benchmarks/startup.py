@@ -2,8 +2,8 @@
 
 Cases: one model (SmolLM2-135M-Instruct, Gemma 3 270M, each `lifeline serve --model NAME`)
 and `make serve`'s two behind one server (configs/serve.toml). Each case starts once cold, with
-every cache a start writes new and empty (PyTorch's C++ extension build and Inductor's caches in
-a fresh directory: a fresh clone's first start, less the install), then `--warm` more times
+every cache a start writes new and empty (PyTorch's C++ extension build, Inductor's caches and
+Lifeline's compiled graphs in a fresh directory: a fresh clone's first start, less the install), then `--warm` more times
 with those same caches: a second start.
 
 A start is timed from the spawn to the first 200 from `/ready` (polled every 50 ms). The phases
@@ -56,7 +56,8 @@ def start_once(case: str, caches: Path, log: Path) -> dict[str, Any]:
     argv = [sys.executable, "-m", "lifeline.cli", "serve", *CASES[case], "--port", str(port)]
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "PYTHONPATH": str(ROOT),
            "TORCH_EXTENSIONS_DIR": str(caches / "torch_extensions"),
-           "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor")}
+           "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
+           "LIFELINE_CACHE_DIR": str(caches / "lifeline")}
     start = time.perf_counter()
     proc = subprocess.Popen(argv, env=env, stdout=log.open("a"), stderr=subprocess.STDOUT)
     try:

@@ -2,15 +2,24 @@
 modules that only read it (float32 weights, no compile) share it instead of each holding a copy
 of its own. A module that starts a server defines `server` (its own configuration); `http` and
 `client` then talk to that server."""
+import atexit
 import ctypes
 import ctypes.util
 import gc
+import os
+import shutil
+import tempfile
 
 import httpx
 import openai
 import pytest
 
 from lifeline.model.loader import load_model
+
+# Compiled graphs (lifeline.model.compiled) are cached in a directory of this run's own, which
+# the servers the tests start inherit: the run shares them, and leaves nothing behind.
+os.environ["LIFELINE_CACHE_DIR"] = tempfile.mkdtemp(prefix="lifeline-test-cache-")
+atexit.register(shutil.rmtree, os.environ["LIFELINE_CACHE_DIR"], True)
 
 
 @pytest.fixture(scope="module", autouse=True)

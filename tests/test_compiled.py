@@ -87,12 +87,14 @@ def test_native_int8_operator_runs_fbgemm_by_handle_while_the_layer_lives():
     layer = torch.nn.Linear(64, 96, bias=False)
     layer.weight.data = torch.randn(96, 64, generator=gen)
     int8 = Int8Linear(layer, rescore_top=0)
-    handle = register_int8_linear(int8)
+    handle = torch.tensor([register_int8_linear(int8)])  # a tensor: an input of the graph
     x = torch.randn(3, 64, generator=gen)
-    ours = torch.ops.lifeline_ext.int8_linear(x, handle)
+    ours = torch.ops.lifeline_ext.int8_linear(x, handle, 96)
     assert torch.equal(ours, torch.ops.quantized.linear_dynamic(x, int8.packed, int8.reduce_range))
-    assert torch.ops.lifeline_ext.int8_linear(x, handle).shape == (3, 96)
+    assert torch.ops.lifeline_ext.int8_linear(x, handle, 96).shape == (3, 96)
+    with pytest.raises(RuntimeError, match="one-element int64"):
+        torch.ops.lifeline_ext.int8_linear(x, handle.int(), 96)
     del int8
     gc.collect()
     with pytest.raises(RuntimeError, match="no int8 layer has handle"):
-        torch.ops.lifeline_ext.int8_linear(x, handle)
+        torch.ops.lifeline_ext.int8_linear(x, handle, 96)

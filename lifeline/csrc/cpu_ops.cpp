@@ -2,7 +2,7 @@
 //
 // lifeline_ext::int8_linear: fbgemm's int8 GEMM by handle, for compiled code
 // (lifeline/model/compiled.py). Dynamo cannot trace the TorchScript object that holds fbgemm's packed weights, so compiled
-// code names a layer by an integer handle. Written in Python, the operator that maps the handle
+// code names a layer by an integer handle, held in a tensor. Written in Python, the operator that maps the handle
 // to the weights cost ~13 us a call (the dispatcher calling back into Python, then Python
 // calling the dispatcher again): ~1 ms of a 11 ms decode step at batch 1. Here it is a table
 // lookup.
@@ -39,7 +39,12 @@ void unregister_gemm(int64_t handle) {
   table.erase(handle);
 }
 
-at::Tensor int8_linear(const at::Tensor& x, int64_t handle) {
+// The handle is a one-element int64 tensor the layer holds (a graph input, not a constant, so
+// a graph cached on disk serves any model of the same shape); out_features is for the shape.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& handle_t, int64_t out_features) {
+  TORCH_CHECK(handle_t.scalar_type() == at::kLong && handle_t.numel() == 1 && handle_t.is_cpu(),
+              "lifeline_ext::int8_linear: the handle is a one-element int64 CPU tensor");
+  const int64_t handle = *handle_t.const_data_ptr<int64_t>();
   Packed packed;
   bool reduce_range;
   {
@@ -183,7 +188,7 @@ TORCH_LIBRARY(lifeline_ext, m) {
   m.def("register_gemm(int handle, __torch__.torch.classes.quantized.LinearPackedParamsBase packed, "
         "bool reduce_range) -> ()", register_gemm);
   m.def("unregister_gemm(int handle) -> ()", unregister_gemm);
-  m.def("int8_linear(Tensor x, int handle) -> Tensor");
+  m.def("int8_linear(Tensor x, Tensor handle, int out_features) -> Tensor");
   m.def("decode_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor slots, Tensor mask, "
         "float scale) -> Tensor");
 }

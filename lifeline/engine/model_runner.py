@@ -1,6 +1,7 @@
 """Runs one scheduled step on the model: flattened inputs, paged KV pool, logits where needed."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import mmap
 import time
@@ -96,7 +97,9 @@ class ModelRunner:
 
         if self.device.type != "cpu" or not supports_compile(self.model):
             return False
-        self.forward = compile_forward(self.model)
+        # the configuration less its name: models of one shape share their compiled graphs
+        identity = repr(dataclasses.replace(self.config, name=""))
+        self.forward = compile_forward(self.model, identity=identity)
         return True
 
     def slots(self, table: list[int], start: int, end: int) -> torch.Tensor:

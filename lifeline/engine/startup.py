@@ -78,6 +78,14 @@ def count_compiles() -> None:
     on_compile_start(_count)
 
 
+def note_compile() -> None:
+    """Count a compile Dynamo's callback does not report (an ahead-of-time compile,
+    lifeline.model.compiled)."""
+    global _compiles
+    with _lock:
+        _compiles += 1
+
+
 def compiles() -> int:
     """Dynamo compiles in this process since `count_compiles` was first called."""
     count_compiles()

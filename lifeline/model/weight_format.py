@@ -107,11 +107,12 @@ class Int8Linear(nn.Module):
             self.register_buffer("weight_zeros", torch.zeros(len(scales), dtype=torch.long))
         self.rescore_top = min(rescore_top, qweight.shape[0])
         self.out_features, self.in_features = qweight.shape
+        self.register_buffer("compile_handle", None, persistent=False)
+        """Set by `lifeline.model.compiled.compile_forward`: compiled code calls fbgemm's GEMM
+        with this layer's packed weights through an operator by this handle (Dynamo cannot
+        trace fbgemm's packed weights), a one-element tensor so that it is an input of the
+        graph, not a constant in it (a graph cached on disk serves another model)."""
 
-    compile_handle: int | None = None
-    """Set by `lifeline.model.compiled.compile_forward`: compiled code calls fbgemm's GEMM
-    with this layer's packed weights through an operator by this handle (Dynamo cannot trace
-    fbgemm's packed weights)."""
     compile_op = None
     """That operator (`lifeline.model.compiled.int8_linear_op()`), set with the handle."""
 
@@ -188,10 +189,10 @@ class Int8Linear(nn.Module):
             return self.onednn_matmul(x)
         if self.rotation is not None:
             x = rotate_columns(x, self.rotation)
-        op, handle = self.compile_op, self.compile_handle
+        op, handle, out = self.compile_op, self.compile_handle, self.out_features
         if x.shape[0] == 1:
-            return op(x, handle)
-        return self._per_row_scaled(x, lambda z: op(z, handle))
+            return op(x, handle, out)
+        return self._per_row_scaled(x, lambda z: op(z, handle, out))
 
     def extra_repr(self) -> str:
         rotate = 0 if self.rotation is None else self.rotation.shape[0]

@@ -11,8 +11,6 @@ data that changes every step, as vLLM's attention operator does.
 """
 from __future__ import annotations
 
-import itertools
-import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -94,15 +92,12 @@ class PagedAttention(nn.Module):
     def __init__(self, layer_idx: int, scale: float, window: int | None):
         super().__init__()
         self.layer_idx, self.scale, self.window = layer_idx, scale, window
-        self.handle = next(_handles)
-        """How compiled code names this layer to `lifeline::paged_attention`."""
-        _LAYERS[self.handle] = (layer_idx, scale, window)
-        weakref.finalize(self, _LAYERS.pop, self.handle, None)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [N, H, D]; k, v: [N, KVH, D] for the step's new tokens. Returns [N, H, D]."""
         if torch.compiler.is_compiling():
-            return torch.ops.lifeline.paged_attention(q, k, v.contiguous(), self.handle)
+            return torch.ops.lifeline.paged_attention(q, k, v.contiguous(), self.layer_idx,
+                                                      self.scale, self.window)
         return context_attention(q, k, v, self.layer_idx, self.scale, self.window)
 
     def extra_repr(self) -> str:
@@ -118,24 +113,18 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: 
     return paged_attention(q, k, v, k_cache, v_cache, context.meta, scale, window)
 
 
-_LAYERS: dict[int, tuple[int, float, int | None]] = {}
-"""handle -> (layer index, scale, window) of a live `PagedAttention`."""
-_handles = itertools.count()
-
-
-def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int
-                  ) -> torch.Tensor:
-    return context_attention(q, k, v, *_LAYERS[handle])
-
-
-def _attention_op_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, handle: int
-                       ) -> torch.Tensor:
+def _attention_op_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: int,
+                       scale: float, window: int | None) -> torch.Tensor:
     return torch.empty_like(q)
 
 
 _LIB = torch.library.Library("lifeline", "FRAGMENT")  # Library.impl: cheaper than custom_op
-_LIB.define("paged_attention(Tensor q, Tensor k, Tensor v, int handle) -> Tensor")
-_LIB.impl("paged_attention", _attention_op, "CPU")
+# The layer's index, scale and window are constants of the compiled graph: the same for every
+# model of the same configuration, so a graph cached on disk (lifeline.model.compiled) serves
+# any of them; the pools are the step's, read from the forward context.
+_LIB.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale, int? window)"
+            " -> Tensor")
+_LIB.impl("paged_attention", context_attention, "CPU")
 _LIB.impl("paged_attention", _attention_op_meta, "Meta")
 
 
