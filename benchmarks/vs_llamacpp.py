@@ -119,7 +119,8 @@ def lifeline_server(model: Path, weights: str | None, extra: list[str] = (),
     same = ([*(["--max-num-seqs", str(slots)] if slots else []),
              *(["--max-model-len", str(ctx)] if ctx else [])])
     argv = [sys.executable, "-m", "lifeline.cli", "serve", "--model", str(model), "--port",
-            str(port), *(["--weights", weights] if weights else []), *same, *extra]
+            str(port), *(["--weights", weights] if weights else []), *same,
+            "--no-compile-in-background", *extra]  # measured compiled, never mid-compile
     env = {"OMP_NUM_THREADS": str(THREADS), "PYTHONPATH": str(ROOT)}
     label = "lifeline" + (" " + " ".join(extra) if extra else "")
     return Server(label, argv, port, "/ready", env)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -245,6 +246,12 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="run the model through torch.compile (default; dense models on the CPU; "
                         "compiles for seconds to a minute before /ready); --no-compile: eager")
+    p.add_argument("--compile-in-background", action=argparse.BooleanOptionalAction,
+                   default=os.environ.get("LIFELINE_COMPILE_IN_BACKGROUND", "1") != "0",
+                   help="with --compile, where the graphs are not in the on-disk cache yet: "
+                        "serve eagerly from the start while a child process compiles them, "
+                        "then run compiled (default; LIFELINE_COMPILE_IN_BACKGROUND=0 turns "
+                        "the default off); --no-compile-in-background: compile before /ready")
     _ray_flags(p)
     p.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
                    help="restart with glibc's malloc asking for transparent huge pages for the "
@@ -488,6 +495,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
                           kv_cache_dtype=kv_cache_dtype_for(args),
                           weights=weights_for(args), device=args.device,
                           compile=args.compile,
+                          compile_in_background=args.compile_in_background,
                           step_log_size=args.step_log_size)
     name = args.served_model_name
     if name is None and args.model:

@@ -20,6 +20,9 @@ from lifeline.model.loader import load_model
 # the servers the tests start inherit: the run shares them, and leaves nothing behind.
 os.environ["LIFELINE_CACHE_DIR"] = tempfile.mkdtemp(prefix="lifeline-test-cache-")
 atexit.register(shutil.rmtree, os.environ["LIFELINE_CACHE_DIR"], True)
+# `lifeline serve` started by a test compiles before /ready (tests/test_background_compile.py
+# tests the background compile): a test's two requests never straddle the switch to compiled.
+os.environ["LIFELINE_COMPILE_IN_BACKGROUND"] = "0"
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -15,6 +15,7 @@ from lifeline.engine.kv_layout import KVLayout, plan_kv
 from lifeline.engine.request import FinishReason, Request, RequestError, RequestStatus
 from lifeline.engine.sampling_params import SamplingParams
 from lifeline.engine.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from lifeline.engine.background_compile import BackgroundCompile
 from lifeline.engine.startup import Startup, count_compiles
 from lifeline.engine.step_log import StepLog, StepRecorder
 from lifeline.engine.stop import StopChecker
@@ -85,6 +86,11 @@ class EngineConfig:
     """Run the model's forward through `torch.compile` (CPU, dense families; others stay
     eager): fused small kernels and a faster decode (docs/performance.md), a compile at the
     start (`LLMEngine.warmup`). The command line's `serve` defaults to it."""
+    compile_in_background: bool = False
+    """With `compile`, where the on-disk cache has no graphs for this model yet: serve eagerly
+    from the start while a child process compiles them, and run compiled from the step after
+    they load (lifeline.engine.background_compile); False: compile before the engine is
+    ready. The command line's `serve` defaults to it."""
 
     max_num_encoder_tokens: int | None = None
     """Image tokens one step may encode (vLLM's encoder budget); None: the token budget."""
@@ -224,6 +230,25 @@ class LLMEngine:
             count_compiles()  # the warm-up's compiles, and any later one, are counted
         with self.startup.phase("compile_warmup"):
             self.warmup()
+        self.background_compile: BackgroundCompile | None = None
+        """The child process compiling the forward while this engine serves eagerly."""
+        pending = getattr(self.executor, "pending_compile", None)
+        if pending is not None:
+            self.background_compile = BackgroundCompile(self.executor, pending,
+                                                        str(loaded.source), config.weights)
+
+    @property
+    def compile_state(self) -> str:
+        """How the forward runs: 'compiled', 'eager', 'compiling' (eager while a child
+        compiles) or 'failed' (eager: the background compile failed)."""
+        if self.background_compile is not None:
+            return self.background_compile.state
+        return "compiled" if self.compiled else "eager"
+
+    def close(self) -> None:
+        """Stop what this engine started besides itself (a background compile)."""
+        if self.background_compile is not None:
+            self.background_compile.close()
 
     def _model_executor(self, layout: KVLayout) -> Executor:
         from lifeline.engine.model_executor import ModelExecutor

@@ -9,6 +9,7 @@ import torch
 
 from lifeline.engine.executor import MoECounts, ModelOutput, TokenLogprobs
 from lifeline.engine.kv_layout import KVLayout
+from lifeline.model.compiled import CachedForward
 from lifeline.engine.model_runner import ModelRunner, StepInputs
 from lifeline.engine.prompt_logprobs import gather_prompt_logprobs
 from lifeline.engine.sampler import Sampler, SamplerOutput, SamplingInput
@@ -63,6 +64,14 @@ class ModelExecutor:
                                       device=config.device)
         self.compiled = config.compile and self.runner.compile()
         """Whether the forward runs compiled (config.compile, where the model supports it)."""
+        self.pending_compile: CachedForward | None = None
+        """The compiled forward a background compile will fill (config.compile_in_background
+        and no graphs in the cache yet): until then the forward runs eagerly."""
+        if self.compiled and config.compile_in_background:
+            forward = self.runner.forward
+            if isinstance(forward, CachedForward) and not forward.cached():
+                self.runner.forward, self.compiled = self.runner.model, False
+                self.pending_compile = forward
         self.moe_stats = getattr(model, "moe_stats", None)
         """The routing counts of an MoE model (None for a dense one)."""
         self.sampler = Sampler(getattr(loaded.tokenizer, "eos_token_ids", ()) or ())

@@ -27,7 +27,7 @@ from lifeline.gateway.health import HealthChecker
 from lifeline.gateway.relay import Relay
 from lifeline.gateway.router import Router
 from lifeline.gateway.state import GatewayState, route_backends
-from lifeline.server.app import readiness
+from lifeline.server.app import forward_state, readiness
 from lifeline.server.debug import router as debug_router
 from lifeline.server.errors import APIError, install_handlers, parse_json
 from lifeline.server.limits import INLINE_JSON_COMMAS
@@ -94,8 +94,11 @@ def _add_routes(app: FastAPI, state: GatewayState) -> None:
         waiting = None if all(models.values()) else {"status": "waiting", "models": models}
         started = {name: b.state.startup for name, b in state.backends.items()
                    if getattr(getattr(b, "state", None), "startup", None)}
+        forward = {name: f for name, b in state.backends.items()
+                   if (f := forward_state(getattr(b, "state", None))) is not None}
         return readiness(state.load_error, state.admission.draining, waiting,
-                         {"models": models, **({"startup_seconds": started} if started else {})})
+                         {"models": models, **({"startup_seconds": started} if started else {}),
+                          **({"forward": forward} if forward else {})})
 
     @app.get("/metrics")
     async def metrics() -> Response:

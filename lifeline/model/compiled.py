@@ -248,6 +248,22 @@ class CachedForward:
         """Graphs loaded from the cache and compiled here."""
         self._fallback: Callable[..., torch.Tensor] | None = None
 
+    def cached(self) -> bool:
+        """Whether both graphs are in the cache: a first call loads them, compiles nothing."""
+        return all((self.directory / name).exists() for name in ("many.pt2", "one.pt2"))
+
+    def preload(self) -> bool:
+        """Load both graphs from the cache now (compiling nothing); False where either is
+        missing or does not load."""
+        graphs = {}
+        for many in (True, False):
+            fn = self._load(self.directory / ("many.pt2" if many else "one.pt2"))
+            if fn is None:
+                return False
+            graphs[many] = self._guarded(fn)
+        self.graphs.update(graphs)
+        return True
+
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         many = input_ids.shape[0] > 1
         graph = self.graphs.get(many)

@@ -154,6 +154,13 @@ def readiness(load_error: str | None, draining: bool, waiting: dict[str, Any] | 
     return JSONResponse({"status": "ready", **detail})
 
 
+def forward_state(state: Any) -> str | None:
+    """How a server's engine runs its forward (`LLMEngine.compile_state`: compiled, eager, or
+    eager while a child compiles); None before the engine is built or where it is remote."""
+    engine = getattr(getattr(state, "client", None), "engine", None)
+    return getattr(engine, "compile_state", None)
+
+
 def _add_routes(app: FastAPI, state: ServerState) -> None:
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -162,9 +169,12 @@ def _add_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
+        detail = {"startup_seconds": state.startup} if state.startup else {}
+        forward = forward_state(state)
+        if forward is not None:
+            detail["forward"] = forward
         return readiness(state.load_error, state.admission.draining,
-                         None if state.ready else {"status": "loading"},
-                         {"startup_seconds": state.startup} if state.startup else {})
+                         None if state.ready else {"status": "loading"}, detail)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -221,6 +221,8 @@ class AsyncEngine(EngineClient):
             for target in self._sinks.values():
                 _call(target.loop, target.queue.put_nowait, exc)
             self._refuse_queued(exc)
+        finally:
+            self.engine.close()
 
     def _refuse_queued(self, exc: BaseException) -> None:
         """Settle every add still queued with the engine's death, so no caller waits on an

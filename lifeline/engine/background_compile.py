@@ -1,0 +1,138 @@
+"""Compiling the forward in a process of its own while the engine serves eagerly
+(`EngineConfig(compile_in_background=True)`, `lifeline serve`'s default).
+
+A first start on a machine finds no compiled graphs in the on-disk cache
+(lifeline.model.compiled) and would trace and compile for a minute or more per model before
+`/ready`. Instead the engine starts eager, ready as soon as its weights are, and a child
+process (`python -m lifeline.engine.background_compile SPEC`) loads the same model with the
+same weight format and thread count, compiles its two graphs and saves them under the same key.
+When it exits, a thread here loads them (a second or two) and the engine's next step runs
+compiled. The child's work is the same a foreground compile would do, so for that minute the
+two share the CPU: requests are served, eagerly and slower (docs/performance.md measures it).
+Nothing in this process compiles: `lifeline:compiles_after_ready_total` stays at zero.
+
+A child that fails, or whose graphs do not load, leaves the engine eager (a warning); the child
+dies with this process (Linux's parent-death signal) and is stopped by `close`.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger("lifeline.engine")
+
+STATES = ("eager", "compiling", "compiled", "failed")
+"""How the forward runs: eager (not asked to compile, or the model cannot), eager while a child
+compiles, compiled, eager after the child failed."""
+
+
+def _die_with_parent() -> None:  # runs in the child between fork and exec
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+class BackgroundCompile:
+    """The child compiling `forward`'s graphs (a `CachedForward` not yet in use) for the model
+    at `source` in `weights`; once they load, `executor` runs them."""
+
+    def __init__(self, executor: Any, forward: Any, source: str, weights: str | None):
+        self.executor, self.forward = executor, forward
+        self.state = "compiling"
+        self.started = time.perf_counter()
+        self.seconds: float | None = None
+        """From the child's start to the graphs in use (or the failure)."""
+        spec = {"source": source, "weights": weights, "threads": _threads(),
+                "key": forward.directory.name}
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "lifeline.engine.background_compile", json.dumps(spec)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+        log.info("serving eagerly while a child process (pid %d) compiles the forward into %s",
+                 self._proc.pid, forward.directory)
+        self._thread = threading.Thread(target=self._wait, name="lifeline-background-compile",
+                                        daemon=True)
+        self._thread.start()
+
+    def _wait(self) -> None:
+        out, err = self._proc.communicate()
+        if self._proc.returncode != 0:
+            return self._fail(f"the compiling child exited with status {self._proc.returncode}"
+                              f": {err.strip()[-2000:]}")
+        try:
+            report = json.loads(out.strip().splitlines()[-1])
+        except (ValueError, IndexError):
+            return self._fail(f"the compiling child reported nothing: {out[-500:]!r}")
+        if report.get("key") != self.forward.directory.name:
+            return self._fail(f"the child compiled another key ({report.get('key')}, not "
+                              f"{self.forward.directory.name}): its model differs from ours")
+        if not self.forward.preload():
+            return self._fail("the child's graphs did not load")
+        self.executor.runner.forward = self.forward  # the next step runs compiled
+        self.executor.compiled = True
+        self.state = "compiled"
+        self.seconds = time.perf_counter() - self.started
+        log.info("the forward runs compiled from now on (compiled in the background in %.1f s)",
+                 self.seconds)
+
+    def _fail(self, why: str) -> None:
+        self.state = "failed"
+        self.seconds = time.perf_counter() - self.started
+        log.warning("background compile failed, the forward stays eager: %s", why)
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Block until the child has ended and its graphs are in use or refused; the state."""
+        self._thread.join(timeout)
+        return self.state
+
+    def close(self) -> None:
+        """Stop the child if it still runs."""
+        if self._proc.poll() is None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+
+
+def _threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def main(argv: list[str]) -> int:
+    """The child: load the model as the parent did, compile (the engine's warm-up saves the
+    graphs), report the key."""
+    spec = json.loads(argv[0])
+    import torch
+
+    torch.set_num_threads(int(spec["threads"]))  # part of the key: Inductor bakes it in
+    from lifeline.engine.engine import EngineConfig, LLMEngine
+    from lifeline.model.compiled import CachedForward
+    from lifeline.model.loader import load_model
+
+    loaded = load_model(spec["source"])
+    engine = LLMEngine(loaded, EngineConfig(weights=spec["weights"], compile=True,
+                                            compile_in_background=False, max_num_seqs=2,
+                                            max_model_len=256, step_log_size=0))
+    forward = engine.executor.runner.forward
+    if not isinstance(forward, CachedForward):
+        print(json.dumps({"key": None}))
+        return 1
+    print(json.dumps({"key": forward.directory.name, "compiled": forward.compiled,
+                      "loaded": forward.loaded}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,129 @@
+"""A first start compiles in the background (lifeline/engine/background_compile.py): a real
+`lifeline serve` on loopback, on a tiny random Gemma 3 saved by transformers with a word-level
+tokenizer and a compile cache of its own, is ready before its forward has compiled, answers
+while a child process compiles, switches to the compiled graphs under traffic with the same
+greedy answers, never compiles in its own process, and leaves no child behind; a second start
+on the same cache loads the graphs before `/ready`."""
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+import transformers
+
+from lifeline.server.testing import free_port
+from tests.word_models import word_tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+PROMPTS = ["the cat sat on", "a dog and a", "one two three"]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("gemma3-bg")
+    vocab = word_tokenizer(path).vocab_size
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        sliding_window=8, query_pre_attn_scalar=32,
+        layer_types=["sliding_attention"] * 2 + ["full_attention"])
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+class Serve:
+    def __init__(self, model: Path, cache: Path, log: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        env = {**os.environ, "LIFELINE_CACHE_DIR": str(cache), "PYTHONPATH": str(ROOT)}
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "lifeline.cli", "serve", "--model", str(model), "--port",
+             str(self.port), "--weights", "fp32", "--compile", "--compile-in-background",
+             "--no-huge-pages", "--kv-cache-memory-bytes", "64MiB", "--served-model-name", "x"],
+            env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        self.log = log
+
+    def ready(self, timeout: float = 300) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log.read_text()[-3000:]
+            try:
+                r = httpx.get(self.url + "/ready", timeout=5)
+                if r.status_code == 200:
+                    return r.json()
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError("not ready in time")
+
+    def complete(self, prompt: str) -> str:
+        r = httpx.post(self.url + "/v1/completions", timeout=120, json={
+            "model": "x", "prompt": prompt, "max_tokens": 6, "temperature": 0})
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    def metric(self, name: str) -> float:
+        for line in httpx.get(self.url + "/metrics").text.splitlines():
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"{name} not in /metrics")
+
+    def children(self) -> list[int]:
+        found = []  # each thread's children: the engine thread starts the child
+        for task in Path(f"/proc/{self.proc.pid}/task").iterdir():
+            try:
+                found += [int(p) for p in (task / "children").read_text().split()]
+            except OSError:
+                pass
+        return found
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
+
+
+def test_ready_before_compiled_then_compiled_under_traffic(model_dir, tmp_path):
+    cache = tmp_path / "cache"
+    server = Serve(model_dir, cache, tmp_path / "first.log")
+    try:
+        body = server.ready()
+        assert body["forward"] == "compiling", body
+        assert server.children(), "no child process compiles"
+        eager = [server.complete(p) for p in PROMPTS]
+        answers: list[list[str]] = []
+        errors: list[BaseException] = []
+
+        def traffic() -> None:  # requests throughout the switch
+            try:
+                while httpx.get(server.url + "/ready").json()["forward"] == "compiling":
+                    answers.append([server.complete(p) for p in PROMPTS])
+            except BaseException as e:  # noqa: BLE001
+                errors.append(e)
+
+        thread = threading.Thread(target=traffic)
+        thread.start()
+        thread.join(600)
+        assert not errors, errors
+        assert answers, "no request was served while the child compiled"
+        assert server.ready()["forward"] == "compiled", server.log.read_text()[-3000:]
+        compiled = [server.complete(p) for p in PROMPTS]
+        assert compiled == eager
+        assert all(a == eager for a in answers)
+        assert server.metric("lifeline:compiles_after_ready_total") == 0
+        assert len(list(cache.glob("compiled/*/*.pt2"))) == 2
+        assert not server.children(), "the compiling child is still there"
+    finally:
+        server.stop()
+    again = Serve(model_dir, cache, tmp_path / "second.log")
+    try:
+        assert again.ready()["forward"] == "compiled"  # loaded before /ready, no child
+        assert not again.children()
+        assert [again.complete(p) for p in PROMPTS] == eager
+    finally:
+        again.stop()
