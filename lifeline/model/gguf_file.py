@@ -9,9 +9,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType
 
 from lifeline.model.dequant import SUPPORTED_TYPES, UnsupportedTensorType, dequantize
+from lifeline.model.gguf_reader import GGUFReader
+from lifeline.model.gguf_reader import Tensor as ReaderTensor
 
 __all__ = ["CorruptGGUF", "GGUFFile", "UnsupportedTensorType"]
 
@@ -37,6 +39,9 @@ class GGUFFile:
             self.reader = GGUFReader(self.path)
         except (ValueError, IndexError, OverflowError, struct.error, UnicodeDecodeError) as exc:
             raise CorruptGGUF(f"{self.path}: truncated or corrupt GGUF file ({exc})") from None
+        if self.reader.byte_order != "<":
+            raise ValueError(f"{self.path}: a big-endian GGUF file: its blocks are not in the "
+                             "byte order Lifeline's kernels read (convert it little-endian)")
         self.metadata: dict[str, Any] = {
             key: field.contents()
             for key, field in self.reader.fields.items()
