@@ -2,8 +2,9 @@
 
 Cases: one model (SmolLM2-135M-Instruct, Gemma 3 270M, each `lifeline serve --model NAME`)
 and `make serve`'s two behind one server (configs/serve.toml). Each case starts once cold, with
-every cache a start writes new and empty (PyTorch's C++ extension build, Inductor's caches and
-Lifeline's compiled graphs in a fresh directory: a fresh clone's first start, less the install), then `--warm` more times
+every cache a start writes new and empty (Inductor's caches and Lifeline's compiled graphs in a
+fresh directory: a fresh clone's first start after `make install`, which builds Lifeline's C++
+operators), then `--warm` more times
 with those same caches: a second start.
 
 A start is timed from the spawn to the first 200 from `/ready` (polled every 50 ms). The phases
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -57,12 +59,29 @@ def _compiling(body: dict[str, Any]) -> bool:
     return "compiling" in states
 
 
-def start_once(case: str, caches: Path, log: Path, extra: list[str] = ()) -> dict[str, Any]:
+def _decode_tok_s(port: int) -> float:
+    """One user's decode speed now: a greedy 64-token completion, the server's own timing."""
+    base = f"http://127.0.0.1:{port}"
+    model = httpx.get(base + "/v1/models", timeout=30).json()["data"][0]["id"]
+    start = time.perf_counter()
+    r = httpx.post(base + "/v1/completions", timeout=300, json={
+        "model": model, "prompt": "Once upon a time", "max_tokens": 64, "temperature": 0,
+        "ignore_eos": True})
+    wall = time.perf_counter() - start
+    r.raise_for_status()
+    body = r.json()
+    speed = (body.get("timings") or {}).get("decode_tok_s")
+    if speed is None:  # the gateway's answer: the client's clock, prefill included
+        speed = body["usage"]["completion_tokens"] / wall
+    return float(speed)
+
+
+def start_once(case: str, caches: Path, log: Path, extra: list[str] = (),
+               probe: int = 0) -> dict[str, Any]:
     port = free_port()
     argv = [sys.executable, "-m", "lifeline.cli", "serve", *CASES[case], "--port", str(port),
             *extra]
     env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "PYTHONPATH": str(ROOT),
-           "TORCH_EXTENSIONS_DIR": str(caches / "torch_extensions"),
            "TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"),
            "LIFELINE_CACHE_DIR": str(caches / "lifeline")}
     start = time.perf_counter()
@@ -84,12 +103,17 @@ def start_once(case: str, caches: Path, log: Path, extra: list[str] = ()) -> dic
         body = r.json()
         rss = _rss_mib(proc.pid)
         compiled = ready
+        while_compiling: list[float] = []
         while _compiling(body):  # serving eagerly while a child compiles: until it has
             if time.perf_counter() - start > 900:
                 raise RuntimeError(f"{case} still compiling after 900 s; see {log}")
-            time.sleep(0.2)
+            if len(while_compiling) < probe:
+                while_compiling.append(_decode_tok_s(port))
+            else:
+                time.sleep(0.2)
             body = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).json()
             compiled = time.perf_counter() - start
+        after = [_decode_tok_s(port) for _ in range(3)] if probe else []
     finally:
         proc.terminate()
         try:
@@ -104,7 +128,8 @@ def start_once(case: str, caches: Path, log: Path, extra: list[str] = ()) -> dic
     else:
         by_backend = None
     return {"case": case, "ready_s": ready, "compiled_s": compiled, "phases": phases,
-            "by_backend": by_backend, "rss_mib": rss, "forward": body.get("forward")}
+            "by_backend": by_backend, "rss_mib": rss, "forward": body.get("forward"),
+            "decode_tok_s_while_compiling": while_compiling, "decode_tok_s_after": after}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--foreground", action="store_true",
                     help="compile before /ready (--no-compile-in-background), as before "
                          "background compiles")
+    ap.add_argument("--probe", type=int, default=0, metavar="N",
+                    help="measure one user's decode (64 tokens, greedy) N times in a row while "
+                         "the forward compiles in the background (then leave it the machine), "
+                         "and 3 times once compiled")
     args = ap.parse_args(argv)
     cases = args.case or ["smollm2", "gemma", "make-serve"]
     console = Console(width=150)
@@ -130,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                 label = "cold" if i == 0 else f"warm {i}"
                 with console.status(f"{case}: {label} start"):
                     r = start_once(case, caches, log, ["--no-compile-in-background"]
-                                   if args.foreground else [])
+                                   if args.foreground else [], args.probe)
                 r["start"] = label
                 results.append(r)
                 console.print(f"{case} {label}: ready in {r['ready_s']:.1f} s")
@@ -143,6 +172,17 @@ def main(argv: list[str] | None = None) -> int:
                           *(f"{r['phases'].get(p, 0.0):.1f}" for p in PHASES),
                           f"{r['rss_mib']:.0f}")
         console.print(table)
+        probed = [r for r in results if r["decode_tok_s_after"]]
+        if probed:
+            speed = Table(title="one user's decode, tok/s (64 tokens, greedy; median)")
+            for col in ("case", "start", "while compiling", "requests", "compiled"):
+                speed.add_column(col)
+            for r in probed:
+                during = r["decode_tok_s_while_compiling"]
+                speed.add_row(r["case"], r["start"],
+                              f"{statistics.median(during):.1f}" if during else "-",
+                              str(len(during)), f"{statistics.median(r['decode_tok_s_after']):.1f}")
+            console.print(speed)
         if any(r["by_backend"] for r in results):
             console.print("make-serve's phases are the slower backend's, per phase (the two "
                           "load at once)")

@@ -11,8 +11,12 @@ compiled. The child's work is the same a foreground compile would do, so for tha
 two share the CPU: requests are served, eagerly and slower (docs/performance.md measures it).
 Nothing in this process compiles: `lifeline:compiles_after_ready_total` stays at zero.
 
-A child that fails, or whose graphs do not load, leaves the engine eager (a warning); the child
-dies with this process (Linux's parent-death signal) and is stopped by `close`.
+The child runs at the lowest priority (nice 19) with one compiler thread, so the server's
+threads take the cores whenever they have work: at the same priority, the server's spinning
+OpenMP threads and the compiler shared two cores so badly that a request took ~10x longer than
+eagerly alone. A child that fails, or whose graphs do not load, leaves the engine eager (a
+warning); the child dies with this process (Linux's parent-death signal) and is stopped by
+`close`.
 """
 from __future__ import annotations
 
@@ -34,11 +38,14 @@ STATES = ("eager", "compiling", "compiled", "failed")
 compiles, compiled, eager after the child failed."""
 
 
-def _die_with_parent() -> None:  # runs in the child between fork and exec
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def _child_setup() -> None:  # runs in the child between fork and exec
+    os.nice(19)  # the server's threads first: spinning OpenMP threads sharing two cores with a
+    # compiler at the same priority made a request ~10x slower (docs/performance.md)
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
 
 
 class BackgroundCompile:
@@ -53,10 +60,11 @@ class BackgroundCompile:
         """From the child's start to the graphs in use (or the failure)."""
         spec = {"source": source, "weights": weights, "threads": _threads(),
                 "key": forward.directory.name}
+        env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}  # one compiler at a time
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "lifeline.engine.background_compile", json.dumps(spec)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-            preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+            preexec_fn=_child_setup if os.name == "posix" else None)
         log.info("serving eagerly while a child process (pid %d) compiles the forward into %s",
                  self._proc.pid, forward.directory)
         self._thread = threading.Thread(target=self._wait, name="lifeline-background-compile",
