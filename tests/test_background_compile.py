@@ -13,11 +13,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
-import transformers
 
 from lifeline.server.testing import free_port
-from tests.word_models import word_tokenizer
+from tests.word_models import tiny_gemma3
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["the cat sat on", "a dog and a", "one two three"]
@@ -26,14 +24,7 @@ PROMPTS = ["the cat sat on", "a dog and a", "one two three"]
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("gemma3-bg")
-    vocab = word_tokenizer(path).vocab_size
-    torch.manual_seed(0)
-    cfg = transformers.Gemma3TextConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-        sliding_window=8, query_pre_attn_scalar=32,
-        layer_types=["sliding_attention"] * 2 + ["full_attention"])
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tiny_gemma3(path, layers=3)
     return path
 
 

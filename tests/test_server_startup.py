@@ -11,14 +11,13 @@ import time
 import httpx
 import pytest
 import torch
-import transformers
 
 from lifeline.engine.engine import EngineConfig
 from lifeline.engine.startup import PHASES
 from lifeline.model.loader import load_model
 from lifeline.server.config import ServerConfig
 from lifeline.server.testing import ServerThread
-from tests.word_models import word_tokenizer
+from tests.word_models import tiny_gemma3
 
 BLOCK = 4
 BLOCKS = 48
@@ -34,14 +33,7 @@ def _metric(text: str, name: str, **labels) -> float:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     path = tmp_path_factory.mktemp("gemma3")
-    vocab = word_tokenizer(path).vocab_size
-    torch.manual_seed(0)
-    cfg = transformers.Gemma3TextConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
-        sliding_window=8, query_pre_attn_scalar=32,
-        layer_types=["sliding_attention"] * 3 + ["full_attention"])
-    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tiny_gemma3(path, layers=4)
     config = ServerConfig(served_model_name="tiny", engine=EngineConfig(
         compile=True, weights="int8-all", block_size=BLOCK, num_kv_blocks=BLOCKS,
         max_num_batched_tokens=32))

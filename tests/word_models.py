@@ -36,3 +36,19 @@ def tiny_llama(tokenizer: HFTokenizer, path: Path, *, hidden: int = 32, layers: 
     model = build_model(cfg)
     init_dummy_weights(model)
     return LoadedModel(model.eval(), cfg, tokenizer, str(path), "dummy")
+
+
+def tiny_gemma3(path: Path, layers: int = 4) -> None:
+    """A tiny random Gemma 3 (its last layer global, the others sliding over 8 tokens) saved by
+    transformers in `path`, with the word-level tokenizer."""
+    import torch
+    import transformers
+
+    vocab = word_tokenizer(path).vocab_size
+    torch.manual_seed(0)
+    cfg = transformers.Gemma3TextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+        sliding_window=8, query_pre_attn_scalar=32,
+        layer_types=["sliding_attention"] * (layers - 1) + ["full_attention"])
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
