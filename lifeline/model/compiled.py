@@ -243,6 +243,9 @@ class CachedForward:
 
     def __init__(self, model: nn.Module, traced: Callable[..., torch.Tensor], directory: Path):
         self.model, self.traced, self.directory = model, traced, directory
+        # the kernels the saved code loads, beside it (else a load in another process, such
+        # as after a background compile, rebuilds them)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(directory.parent / "inductor"))
         self.graphs: dict[bool, Callable[..., torch.Tensor]] = {}
         self.loaded = self.compiled = 0
         """Graphs loaded from the cache and compiled here."""
@@ -276,7 +279,6 @@ class CachedForward:
         if self._fallback is not None:
             return self._fallback
         self.directory.mkdir(parents=True, exist_ok=True)
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(self.directory.parent / "inductor"))
         path = self.directory / ("many.pt2" if many else "one.pt2")
         with open(self.directory / ".lock", "a+b") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # another process compiling this key: wait, load
