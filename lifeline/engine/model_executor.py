@@ -9,7 +9,6 @@ import torch
 
 from lifeline.engine.executor import MoECounts, ModelOutput, TokenLogprobs
 from lifeline.engine.kv_layout import KVLayout
-from lifeline.model.compiled import CachedForward
 from lifeline.engine.model_runner import ModelRunner, StepInputs
 from lifeline.engine.prompt_logprobs import gather_prompt_logprobs
 from lifeline.engine.sampler import Sampler, SamplerOutput, SamplingInput
@@ -21,6 +20,7 @@ from lifeline.model.weight_format import apply_weight_format, release_freed_memo
 
 if TYPE_CHECKING:
     from lifeline.engine.engine import EngineConfig
+    from lifeline.model.compiled import CachedForward
     from lifeline.model.loader import LoadedModel
 
 
@@ -69,7 +69,7 @@ class ModelExecutor:
         and no graphs in the cache yet): until then the forward runs eagerly."""
         if self.compiled and config.compile_in_background:
             forward = self.runner.forward
-            if isinstance(forward, CachedForward) and not forward.cached():
+            if hasattr(forward, "cached") and not forward.cached():  # a CachedForward
                 self.runner.forward, self.compiled = self.runner.model, False
                 self.pending_compile = forward
         self.moe_stats = getattr(model, "moe_stats", None)

@@ -61,9 +61,7 @@ _counting = False
 
 
 def _count(_args: object) -> None:
-    global _compiles
-    with _lock:
-        _compiles += 1
+    note_compile()
 
 
 def count_compiles() -> None:

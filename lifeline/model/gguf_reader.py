@@ -63,6 +63,7 @@ class GGUFReader:
         self.data = np.memmap(path, mode=mode)
         buf = memoryview(self.data)
         self._buf, self._pos, self._end = buf, 0, len(buf)
+        self.byte_order = "<"
         (magic,) = self._unpack("<I")
         if magic != MAGIC:
             raise ValueError("not a GGUF file (bad magic)")
@@ -126,7 +127,7 @@ class GGUFReader:
             raise ValueError(f"{what} run past the end of the file (byte {self._pos:,})")
 
     def _unpack(self, fmt: str) -> tuple[Any, ...]:
-        fmt = fmt.replace("<", getattr(self, "byte_order", "<"))
+        fmt = fmt.replace("<", self.byte_order)
         size = struct.calcsize(fmt)
         self._room(size, "a header field")
         values = struct.unpack_from(fmt, self._buf, self._pos)
