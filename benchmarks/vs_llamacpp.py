@@ -23,6 +23,16 @@ Lifeline is better). Workloads (issue 6):
   llama.cpp (whose slots keep their own prompt cache).
 - `slo`: Concurrent Users @ SLO (`--slo ttft=2s,tpot=200ms`, 90% attainment, 128/64 tokens),
   found by `lifeline bench --find-max-users` (`llama-server -np 32 -c 16384`).
+- `busy`: `single` while another process keeps one of the two cores busy (a Python loop,
+  started after the server is ready and stopped after the run): token gap p50 and p90/p50.
+
+`single` and `busy` also report the token gap (p50 ms, p90/p50) and the memory-bandwidth
+ceiling: the bytes one decode step reads (every weight matrix once: llama.cpp the GGUF's own
+blocks, Lifeline its format's int8 or blocks, `step_bytes`) divided by the machine's read
+bandwidth, measured (`read_bandwidth`: 2 threads summing 512 MiB, best of 5) just before each
+server's run, so the fraction of the ceiling each server reaches is its own run's. Machines of
+this kind drift (the bandwidth moved 2x within an hour in one session): `--rounds N` runs the
+servers in turn N times and prints every round's ratio.
 
 `--quick` uses fewer requests (about 5 minutes for all but `slo`; `slo` adds about 10).
 """
@@ -42,7 +52,7 @@ from typing import Any, Self
 
 ROOT = Path(__file__).resolve().parents[1]
 THREADS = 2
-WORKLOADS = ("users16", "single", "ttft512", "prefix", "slo")
+WORKLOADS = ("users16", "single", "ttft512", "prefix", "slo", "busy")
 
 
 def free_port() -> int:
@@ -139,6 +149,53 @@ def bench(server: Server, args: list[str]) -> dict[str, Any]:
         return json.loads(out.read_text())
 
 
+def read_bandwidth() -> float:
+    """The machine's read bandwidth now, GB/s: PyTorch with the servers' 2 threads summing a
+    512 MiB tensor, best of 5 (a subprocess: this script imports nothing heavy)."""
+    code = ("import time, torch\n"
+            f"torch.set_num_threads({THREADS})\n"
+            "a = torch.ones(128 * 2**20)\n"
+            "best = float('inf')\n"
+            "for _ in range(6):\n"
+            "    t = time.perf_counter()\n"
+            "    a.sum().item()\n"
+            "    best = min(best, time.perf_counter() - t)\n"
+            "print(a.numel() * 4 / best / 1e9)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return float(out.stdout.strip())
+
+
+def step_bytes(model: Path, weights: str | None) -> dict[str, float]:
+    """Bytes one decode step reads from the weights, per server: every 2-D weight once, the
+    output head included (the token embedding where the head is tied to it); norms and the
+    KV cache (a few MB at these contexts) left out. llama.cpp reads the file's blocks; Lifeline
+    int8 (one byte a value) under `int8-all`/`int8`, the file's blocks under `gguf` (its head
+    int8 in both)."""
+    sys.path.insert(0, str(ROOT))
+    from lifeline.model.gguf_reader import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(str(model), skip=("tokenizer.",)).tensors}
+    head = tensors.get("output.weight") or tensors["token_embd.weight"]
+    layers = [t for name, t in tensors.items() if name.startswith("blk.") and len(t.shape) == 2]
+    values = lambda t: int(t.shape[0]) * int(t.shape[1])  # noqa: E731
+    ours_layers = sum(t.n_bytes for t in layers) if weights == "gguf" else \
+        sum(values(t) for t in layers)
+    return {"llama.cpp": sum(t.n_bytes for t in layers) + head.n_bytes,
+            "lifeline": ours_layers + values(head)}
+
+
+class Busy:
+    """Another process keeping one core busy (a Python loop) while the block runs."""
+
+    def __enter__(self) -> Self:
+        self.proc = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
 def _runs(quick: bool) -> dict[str, dict[str, Any]]:
     n = 2 if quick else 1
     return {
@@ -155,6 +212,9 @@ def _runs(quick: bool) -> dict[str, dict[str, Any]]:
                                       "--warmup", "16", "--prefix-groups", "1",
                                       "--prefix-tokens", "1000", "--input-tokens", "1032",
                                       "--output-tokens", "16"]},
+        "busy": {"np": 16, "ctx": 32768, "busy": True,
+                 "args": ["--concurrency", "1", "--requests", str(8 // n), "--warmup", "1",
+                          "--input-tokens", "128", "--output-tokens", "128"]},
         "slo": {"np": 32, "ctx": 16384, "args": ["--find-max-users", "--max-users", "64",
                                    "--slo", "ttft=2s,tpot=200ms", "--slo-attainment", "0.9",
                                    "--input-tokens", "128", "--output-tokens", "64",
@@ -166,8 +226,11 @@ def _figures(name: str, result: dict[str, Any]) -> dict[str, float | None]:
     s = result["summary"]
     if name == "users16":
         return {"output tok/s": s["output_throughput_tok_s"]}
-    if name == "single":
-        return {"decode tok/s": 1000 / s["tpot_ms"]["mean"] if s["tpot_ms"]["mean"] else None}
+    if name in ("single", "busy"):
+        gap = s.get("tbt_ms") or {}
+        return {"decode tok/s": 1000 / s["tpot_ms"]["mean"] if s["tpot_ms"]["mean"] else None,
+                "token gap p50 ms": gap.get("p50"),
+                "token gap p90/p50": gap["p90"] / gap["p50"] if gap.get("p50") else None}
     if name == "ttft512":
         return {"TTFT p50 ms": s["ttft_ms"]["p50"]}
     if name == "prefix":
@@ -181,6 +244,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     console = Console()
     runs = _runs(args.quick)
+    per_step = step_bytes(args.model, args.weights)
     rows = []
     for name in args.only:
         spec = runs[name]
@@ -193,54 +257,95 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         if name == "prefix":
             servers.append(("lifeline, no prefix cache", lambda s=spec: lifeline_server(
                 args.model, args.weights, ["--no-prefix-caching"], s["np"], s["ctx"])))
-        figures, memory = {}, {}
-        for label, make in servers:
-            console.print(f"[bold]{name}[/]: {label} …")
-            started = time.monotonic()
-            with make() as server:
-                figures[label] = _figures(name, bench(server, spec["args"]))
-                memory[label] = server.resident_mib()
-            console.print(f"  {figures[label]}, {memory[label]} MiB "
-                          f"({time.monotonic() - started:.0f} s)")
-        rows.append({"workload": name, "bench_args": spec["args"], "figures": figures,
-                     "resident_mib": memory})
+        rounds = []
+        for _ in range(args.rounds):
+            figures, memory, bandwidth = {}, {}, {}
+            for label, make in servers:
+                console.print(f"[bold]{name}[/]: {label} …")
+                started = time.monotonic()
+                if name in ("single", "busy"):
+                    bandwidth[label] = read_bandwidth()
+                with make() as server:
+                    if spec.get("busy"):
+                        with Busy():
+                            figures[label] = _figures(name, bench(server, spec["args"]))
+                    else:
+                        figures[label] = _figures(name, bench(server, spec["args"]))
+                    memory[label] = server.resident_mib()
+                if label in bandwidth and figures[label].get("decode tok/s"):
+                    ceiling = bandwidth[label] * 1e9 / per_step[label.split(",")[0]]
+                    figures[label]["of bandwidth ceiling"] = figures[label]["decode tok/s"] / ceiling
+                console.print(f"  {figures[label]}, {memory[label]} MiB, "
+                              f"{bandwidth.get(label, 0):.1f} GB/s "
+                              f"({time.monotonic() - started:.0f} s)")
+            rounds.append({"figures": figures, "resident_mib": memory,
+                           "read_gb_s": bandwidth})
+        rows.append({"workload": name, "bench_args": spec["args"], "rounds": rounds,
+                     "step_bytes": per_step if name in ("single", "busy") else None,
+                     # the last round's, as one run printed them before --rounds
+                     "figures": rounds[-1]["figures"], "resident_mib": rounds[-1]["resident_mib"]})
     return rows
 
 
-def _ratio(workload: str, ours: float | None, theirs: float | None) -> str:
+def _ratio(workload: str, ours: float | None, theirs: float | None, key: str = "") -> str:
     if not ours or not theirs:
         return "-"
-    lower_is_better = workload in ("ttft512", "prefix")
+    lower_is_better = workload in ("ttft512", "prefix") or key.startswith("token gap")
     value = theirs / ours if lower_is_better else ours / theirs
     return f"{value:.2f}×"
 
 
 def table(rows: list[dict[str, Any]]) -> None:
+    """One line per figure: each server's median over the rounds, and every round's ratio."""
     from rich.console import Console
     from rich.table import Table
 
     t = Table(title="Lifeline vs llama.cpp (> 1× means Lifeline is better)")
-    for col in ("workload", "figure", "llama.cpp", "lifeline", "ratio", "other"):
+    for col in ("workload", "figure", "llama.cpp", "lifeline", "ratio (each round)", "other"):
         t.add_column(col, justify="right")
     for row in rows:
-        figs = row["figures"]
-        (key,) = figs["lifeline"].keys()
-        theirs, ours = figs.get("llama.cpp", {}).get(key), figs["lifeline"][key]
-        other = figs.get("lifeline, no prefix cache", {}).get(key)
-        extra = (f"no prefix cache {other:,.0f} ({_ratio('prefix', ours, other)} better with)"
-                 if other else "")
-        t.add_row(row["workload"], key, _fmt(theirs), _fmt(ours),
-                  _ratio(row["workload"], ours, theirs), extra)
-        mem = row.get("resident_mib") or {}
+        rounds = row.get("rounds") or [{"figures": row["figures"],
+                                        "resident_mib": row["resident_mib"]}]
+        for i, key in enumerate(rounds[0]["figures"]["lifeline"]):
+            theirs = _median([r["figures"].get("llama.cpp", {}).get(key) for r in rounds])
+            ours = _median([r["figures"]["lifeline"].get(key) for r in rounds])
+            ratios = " ".join(_ratio(row["workload"], r["figures"]["lifeline"].get(key),
+                                     r["figures"].get("llama.cpp", {}).get(key), key)
+                              for r in rounds)
+            if key == "of bandwidth ceiling":
+                ratios, bw = "", [r.get("read_gb_s", {}) for r in rounds]
+                extra = "read GB/s " + ", ".join(f"{k} {_median([b.get(k) for b in bw]):.1f}"
+                                                 for k in bw[0])
+                extra += "; MB a step " + ", ".join(f"{k} {v / 1e6:,.0f}"
+                                                    for k, v in row["step_bytes"].items())
+            elif i == 0 and "lifeline, no prefix cache" in rounds[0]["figures"]:
+                other = _median([r["figures"]["lifeline, no prefix cache"].get(key)
+                                 for r in rounds])
+                extra = f"no prefix cache {other:,.0f} ({_ratio('prefix', ours, other)} better with)"
+            else:
+                extra = ""
+            fmt = _percent if key == "of bandwidth ceiling" else _fmt
+            t.add_row(row["workload"] if i == 0 else "", key, fmt(theirs), fmt(ours), ratios,
+                      extra)
+        mem = rounds[-1].get("resident_mib") or {}
         theirs, ours = mem.get("llama.cpp", {}).get("rss"), mem.get("lifeline", {}).get("rss")
         t.add_row("", "RSS after, MiB", _fmt(theirs), _fmt(ours),
                   f"{ours / theirs:.2f}× theirs" if ours and theirs else "-",
                   "peak " + ", ".join(f"{k} {v.get('peak', 0):,.0f}" for k, v in mem.items()))
-    Console(width=140).print(t)
+    Console(width=150).print(t)
+
+
+def _median(values: list[float | None]) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    return values[len(values) // 2] if values else None
+
+
+def _percent(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.0f}%"
 
 
 def _fmt(v: float | None) -> str:
-    return "-" if v is None else f"{v:,.1f}"
+    return "-" if v is None else f"{v:,.2f}" if abs(v) < 10 else f"{v:,.1f}"
 
 
 def main() -> None:
@@ -254,7 +359,10 @@ def main() -> None:
     parser.add_argument("--weights", default=None,
                         help="Lifeline's --weights (default: `lifeline serve`'s own default)")
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", type=lambda s: s.split(","), default=list(WORKLOADS))
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the servers in turn this many times per workload")
+    parser.add_argument("--only", type=lambda s: s.split(","),
+                        default=[w for w in WORKLOADS if w != "busy"])
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.llama_server is None and not args.lifeline_only:
@@ -274,7 +382,7 @@ def main() -> None:
             "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "llama_server": None if args.lifeline_only else str(args.llama_server),
             "model": str(args.model),
-            "weights": args.weights or "lifeline serve default", "threads": THREADS, "quick": args.quick, "rows": rows},
+            "weights": args.weights or "lifeline serve default", "threads": THREADS, "quick": args.quick, "rounds": args.rounds, "rows": rows},
             indent=1))
 
 

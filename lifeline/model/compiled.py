@@ -146,7 +146,7 @@ def compile_forward(model: nn.Module, identity: str = ""
     if not supports_compile(model):
         raise ValueError(f"{type(model).__name__} does not support compile")
     for module in model.modules():
-        if hasattr(module, "int8_matmul") and not module.rescore_top:
+        if hasattr(module, "int8_matmul") and not module.rescore_top and module.packed is not None:
             module.compile_handle = torch.tensor([register_int8_linear(module)])
             module.compile_op = int8_linear_op()
     forward = model.forward

@@ -22,7 +22,8 @@ A lone row (one decode at batch 1) goes straight to fbgemm, whose per-call scale
 row's own: same precision, a tenth of the kernels, but not bit for bit the batched result.
 Batches of rows go through oneDNN's int8 GEMM instead where this PyTorch has it and it does not
 saturate (`onednn_int8`): the same per-row scales, quantized by us to u8 around 128, and faster
-from a few rows up (docs/performance.md). `int8-all` stacks the projections that share an input
+from a few rows up (docs/performance.md). The head keeps oneDNN's copy alone, its lone rows too
+(`onednn_only`): a second copy of 262,144 rows costs more memory than its GEMV saves time. `int8-all` stacks the projections that share an input
 (the family's `fused` projections, lifeline.model.registry: q/k/v, gate/up) into one GEMM each
 (`FusedProjections`) and drops their float32 copies. It also rotates every projection's input
 by a block Hadamard matrix before quantizing it (`Int8Linear(rotate=)`; for o_proj the rotation
@@ -88,7 +89,10 @@ class Int8Linear(nn.Module):
     activations are quantized (QuaRot, arXiv:2404.00456), and is applied to each call's input."""
 
     def __init__(self, linear: nn.Linear, rescore_top: int = RESCORE_TOP, rotate: int = 0,
-                 stored: StoredTensor | None = None):
+                 stored: StoredTensor | None = None, onednn_only: bool = False):
+        """`onednn_only`: where oneDNN's int8 GEMM serves (`onednn_int8`), lone rows go through
+        it too and fbgemm's copy of the weights is never made (the head: one copy of its 168 MB
+        on Gemma 3, for a lone row's GEMV ~8% slower, docs/performance.md)."""
         super().__init__()
         # the float32 rows are kept only for rescoring, and not at all where the file's own
         # blocks can give them (`stored`: the same values, lifeline.model.gguf_rows)
@@ -98,9 +102,10 @@ class Int8Linear(nn.Module):
         self.rotation = hadamard(rotate) if rotate else None
         qweight, scales, row_sums = _quantize_rows(linear.weight.detach(), self.rotation)
         self.register_buffer("row_sums", row_sums.unsqueeze(0))
-        self.packed = torch.ops.quantized.linear_prepack(qweight, None)
-        self.reduce_range = fbgemm_saturates()
         self.onednn = onednn_int8()
+        self.packed = None if onednn_only and self.onednn else \
+            torch.ops.quantized.linear_prepack(qweight, None)
+        self.reduce_range = fbgemm_saturates()
         if self.onednn:  # a second copy of the weights, in oneDNN's layout, for batches
             self.onednn_packed = torch.ops.onednn.qlinear_prepack(qweight.int_repr(), None)
             self.register_buffer("weight_scales", scales.float())
@@ -133,7 +138,7 @@ class Int8Linear(nn.Module):
 
     def int8_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """W x for float32 rows `x` [N, in], biasless and unrescored."""
-        if self.onednn and x.shape[0] > 1:
+        if self.onednn and (x.shape[0] > 1 or self.packed is None):
             return self.onednn_matmul(x)
         if self.rotation is not None:
             x = rotate_columns(x, self.rotation)
@@ -185,7 +190,7 @@ class Int8Linear(nn.Module):
         (`lifeline::int8_linear`). The rotation stays a matmul: written as butterflies,
         Inductor fused each output with its 32 inputs' producers and recomputed GeGLU 32 times
         (a slower prefill, docs/performance.md)."""
-        if self.onednn and x.shape[0] > 1:
+        if self.onednn and (x.shape[0] > 1 or self.packed is None):
             return self.onednn_matmul(x)
         if self.rotation is not None:
             x = rotate_columns(x, self.rotation)
@@ -389,7 +394,8 @@ def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
             raise ValueError("int8 weights run on the CPU only (fbgemm)")
         rotate = rotation_block(head.in_features) if fmt == "int8-all" else 0
         stored = _stored(model, head)
-        model.lm_head = Int8Linear(head, rotate=rotate, stored=stored.get("lm_head.weight"))
+        model.lm_head = Int8Linear(head, rotate=rotate, stored=stored.get("lm_head.weight"),
+                                   onednn_only=True)
         if "embed_tokens.weight" in stored:
             model.embed_tokens = StoredEmbedding(stored["embed_tokens.weight"])
     if fmt == "int8-all":
@@ -425,11 +431,11 @@ def _as_stored(model: nn.Module) -> None:
     configure_gemm()
     vocab = _stored(model, head)
     # The head stays int8 with its shortlist rescored from the stored rows (as `int8-all`):
-    # fbgemm reads Gemma 3's 262k x 640 head in 6.3 ms where the Q8_0 kernel takes 15.9
+    # the int8 GEMM reads Gemma 3's 262k x 640 head in 6.3 ms where the Q8_0 kernel takes 15.9
     # (docs/performance.md), and its bytes are the size of the file's Q8_0 rows, which
     # the embedding then touches only for the tokens it looks up.
     model.lm_head = Int8Linear(head, rotate=rotation_block(head.in_features),
-                               stored=vocab.get("lm_head.weight"))
+                               stored=vocab.get("lm_head.weight"), onednn_only=True)
     if "embed_tokens.weight" in vocab:
         model.embed_tokens = StoredEmbedding(vocab["embed_tokens.weight"])
     fusable = family_of(model).fused
@@ -507,14 +513,14 @@ def _fuse(parent: nn.Module, fused: str, names: tuple[str, ...]) -> None:
     if not all(type(part) is nn.Linear for part in parts):
         return
     weight = torch.cat([part.weight.detach() for part in parts])
+    # made on the meta device: a real one would draw random weights only to drop them
     stacked = nn.Linear(weight.shape[1], weight.shape[0],
-                        bias=any(part.bias is not None for part in parts),
-                        device=weight.device, dtype=weight.dtype)
-    stacked.weight.data = weight
+                        bias=any(part.bias is not None for part in parts), device="meta")
+    stacked.weight = nn.Parameter(weight, requires_grad=False)
     if stacked.bias is not None:
-        stacked.bias.data = torch.cat([
+        stacked.bias = nn.Parameter(torch.cat([
             part.bias.detach() if part.bias is not None else weight.new_zeros(part.out_features)
-            for part in parts])
+            for part in parts]), requires_grad=False)
     rotate = rotation_block(stacked.in_features)
     setattr(parent, fused, FusedProjections(Int8Linear(stacked, rescore_top=0, rotate=rotate),
                                             [part.out_features for part in parts]))
