@@ -252,6 +252,10 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                         "serve eagerly from the start while a child process compiles them, "
                         "then run compiled (default; LIFELINE_COMPILE_IN_BACKGROUND=0 turns "
                         "the default off); --no-compile-in-background: compile before /ready")
+    p.add_argument("--adaptive-threads", action=argparse.BooleanOptionalAction, default=True,
+                   help="run each step with the cores other processes leave free (default, "
+                        "CPU; read from /proc every 0.25 s); --no-adaptive-threads: always "
+                        "PyTorch's thread count")
     _ray_flags(p)
     p.add_argument("--huge-pages", action=argparse.BooleanOptionalAction, default=True,
                    help="restart with glibc's malloc asking for transparent huge pages for the "
@@ -496,6 +500,7 @@ def serve_config(args: argparse.Namespace) -> ServerConfig:
                           weights=weights_for(args), device=args.device,
                           compile=args.compile,
                           compile_in_background=args.compile_in_background,
+                          adaptive_threads=args.adaptive_threads,
                           step_log_size=args.step_log_size)
     name = args.served_model_name
     if name is None and args.model:

@@ -36,7 +36,7 @@ def served(tmp_path_factory):
     tiny_gemma3(path, layers=4)
     config = ServerConfig(served_model_name="tiny", engine=EngineConfig(
         compile=True, weights="int8-all", block_size=BLOCK, num_kv_blocks=BLOCKS,
-        max_num_batched_tokens=32))
+        max_num_batched_tokens=32, adaptive_threads=True))
     with ServerThread(lambda: load_model(path), config) as srv:
         deadline = time.monotonic() + 600
         while httpx.get(srv.base_url + "/ready").status_code != 200:  # loads in the background
@@ -106,3 +106,14 @@ def test_nothing_compiles_after_ready_under_load(served):
     fn(torch.ones(3))
     metrics = httpx.get(srv.base_url + "/metrics").text
     assert _metric(metrics, "lifeline:compiles_after_ready_total") >= 1
+
+
+def test_metrics_show_the_threads_steps_run_with(served):
+    """`adaptive_threads`: the count in force, between one and the configured count (PyTorch's
+    own, here), what other processes used, and how often it changed."""
+    srv, _ = served
+    _load(srv)
+    metrics = httpx.get(srv.base_url + "/metrics").text
+    assert 1 <= _metric(metrics, "lifeline:intraop_threads") <= torch.get_num_threads()
+    assert _metric(metrics, "lifeline:cpu_other_processes_cores") >= 0
+    assert _metric(metrics, "lifeline:intraop_thread_changes_total") >= 0

@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch
 
     from lifeline.engine.moe_usage import MoEAccounting
+    from lifeline.engine.threads import ThreadGovernor
     from collections.abc import Sequence
 
     from lifeline.media.inputs import ImageSpan
@@ -72,6 +73,11 @@ class EngineConfig:
     """Bytes of one cached K or V element; None: those of `kv_cache_dtype`. The planner sizes
     the cache of the format it prices (2 for bf16, 1 for fp8, per device under TP)."""
     num_threads: int | None = None
+    adaptive_threads: bool = False
+    """On the CPU: run each step with the cores the machine's other processes leave free (at
+    least one, at most `num_threads`), read from /proc every quarter second
+    (lifeline.engine.threads): a parallel kernel whose second thread shares a core with another
+    process waits for it at every call. The command line's `serve` defaults to it."""
     device: str = "cpu"
     """Where weights, KV cache, attention and greedy sampling run ('cpu', 'cuda', 'cuda:N');
     scheduling, detokenizing and stop checks stay on the host."""
@@ -222,6 +228,9 @@ class LLMEngine:
         self._counter = itertools.count()
         self.step_errors = StepErrors()
         self.clock = time.perf_counter
+        self.threads: ThreadGovernor | None = None
+        """Intra-op threads by the cores free (`config.adaptive_threads`), from the first step
+        after the warm-up; it sets the count of the thread that steps."""
         self.startup = Startup({"read_weights": loaded.load_seconds}
                               if getattr(loaded, "load_seconds", None) is not None else {})
         """Where this engine's start went, phase by phase (lifeline.engine.startup)."""
@@ -236,6 +245,12 @@ class LLMEngine:
         if pending is not None:
             self.background_compile = BackgroundCompile(self.executor, pending,
                                                         str(loaded.source), config.weights)
+        if config.adaptive_threads and config.device.partition(":")[0] == "cpu":
+            import torch
+
+            from lifeline.engine.threads import ThreadGovernor
+
+            self.threads = ThreadGovernor(torch.get_num_threads())
 
     @property
     def compile_state(self) -> str:
@@ -397,6 +412,8 @@ class LLMEngine:
         A batch whose forward or sampling raises is isolated: its requests go back to the head
         of the queue to be recomputed, each in a step of its own, so a request that raises again
         fails alone (`RequestError.STEP_FAILED`, blocks freed) and the others go on."""
+        if self.threads is not None:
+            self.threads.poll()
         now = self.clock()
         ended = self._expire(now)
         out = self.scheduler.schedule(now)

@@ -434,7 +434,7 @@ class _Builder:
                                   DEFAULT_WEIGHTS, KV_CACHE_DTYPES, WEIGHT_FORMATS)
 
         values: dict[str, Any] = {"weights": DEFAULT_WEIGHTS, "compile": True,
-                                  "compile_in_background": True,
+                                  "compile_in_background": True, "adaptive_threads": True,
                                   "kv_cache_memory_bytes": DEFAULT_KV_CACHE_BYTES,
                                   "kv_cache_dtype": DEFAULT_KV_CACHE_DTYPE}
         if t is None:

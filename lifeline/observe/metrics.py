@@ -47,7 +47,7 @@ class Metrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
         self._lock = threading.Lock()
-        self._seen = {"queries": 0, "hits": 0, "preemptions": 0}
+        self._seen = {"queries": 0, "hits": 0, "preemptions": 0, "thread_changes": 0}
         label = [model_name]
         self.stage = {name: self._histogram(f"request_{name}_time_seconds", STAGE_HELP[name],
                                             STAGE_BUCKETS, label) for name in STAGES}
@@ -80,6 +80,8 @@ class Metrics:
         self.preemptions = self._counter("num_preemptions",
                                          "Requests preempted (to be recomputed).", label)
         self._moe: _MoEMetrics | None = None
+        self._threads: tuple[Any, Any, Any] | None = None
+        """The adaptive threads' gauges and counter, from the first stats that carry them."""
         self._images: _ImageMetrics | None = None
         """Made when the first request with images finishes (a text model shows none)."""
         self._success = Counter("lifeline:request_success", "Finished requests by reason.",
@@ -112,6 +114,23 @@ class Metrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)
+        if stats.intraop_threads is not None:
+            with self._lock:
+                if self._threads is None:
+                    self._threads = (
+                        self._gauge("intraop_threads", "Threads each engine step runs with "
+                                    "(adaptive: the cores other processes leave free).",
+                                    [self._model_name]),
+                        self._gauge("cpu_other_processes_cores", "Cores the machine's other "
+                                    "processes used at the engine's last reading.",
+                                    [self._model_name]),
+                        self._counter("intraop_thread_changes", "Times the adaptive thread "
+                                      "count changed.", [self._model_name]))
+            threads, others, changes = self._threads
+            threads.set(stats.intraop_threads)
+            others.set(stats.cpu_others_cores or 0.0)
+            with self._lock:
+                self._advance(changes, "thread_changes", stats.thread_changes)
         with self._lock:
             self._advance(self.cache_queries, "queries", stats.prefix_cache_queries)
             self._advance(self.cache_hits, "hits", stats.prefix_cache_hits)

@@ -30,6 +30,12 @@ class EngineStats:
     """The exception type of the last failed step."""
     last_step_error_time: float | None = None
     """Wall-clock time (`time.time()`) of the last failed step."""
+    intraop_threads: int | None = None
+    """The threads each step runs with (`EngineConfig.adaptive_threads`); None: not adaptive."""
+    cpu_others_cores: float | None = None
+    """Cores the machine's other processes used over the governor's last reading."""
+    thread_changes: int = 0
+    """Times the adaptive thread count changed."""
     moe: Any = None
     """An MoE model's routing accounting (`lifeline.engine.moe_usage.MoEAccounting`), read by
     the metrics; None for a dense model or an engine in another process."""
@@ -40,6 +46,7 @@ class EngineStats:
         numbers and lengths, never iterates the engine's lists."""
         scheduler, blocks = engine.scheduler, engine.block_manager
         errors = getattr(engine, "step_errors", None)
+        threads = getattr(engine, "threads", None)
         return cls(num_running=len(scheduler.running), num_waiting=len(scheduler.waiting),
                    kv_usage=blocks.usage,
                    kv_blocks_used=blocks.num_blocks - blocks.num_free_blocks,
@@ -50,4 +57,7 @@ class EngineStats:
                    step_error_requests=errors.requests_failed if errors else 0,
                    last_step_error=errors.last_error if errors else None,
                    last_step_error_time=errors.last_time if errors else None,
+                   intraop_threads=threads.threads if threads else None,
+                   cpu_others_cores=threads.others if threads else None,
+                   thread_changes=threads.changes if threads else 0,
                    moe=getattr(engine, "moe", None))
