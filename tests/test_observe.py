@@ -205,6 +205,11 @@ def moe_metric_names(names: set[str]) -> set[str]:
     return {n for n in names if n.startswith("lifeline:moe_") or n == "lifeline:model_parameters"}
 
 
+def adaptive_thread_metric_names(names: set[str]) -> set[str]:
+    """The series only an engine with adaptive threads adds (`EngineStats.intraop_threads`)."""
+    return {n for n in names if "intraop" in n or n == "lifeline:cpu_other_processes_cores"}
+
+
 def sample(metrics: Metrics, name: str, **labels) -> float:
     value = metrics.registry.get_sample_value(name, {"model_name": "m", **labels})
     return 0.0 if value is None else value
@@ -223,11 +228,24 @@ def test_metrics_render_every_documented_name_and_nothing_undocumented():
     families = {f.removesuffix("_total") for f in families if not f.endswith("_created")}
     documented = documented_metric_names()
     moe_only = moe_metric_names(documented)
-    assert len(documented) == 30 and len(moe_only) == 5
-    dense = documented - moe_only  # a dense model's engine has no MoE series
+    threads = adaptive_thread_metric_names(documented)
+    assert len(documented) == 33 and len(moe_only) == 5 and len(threads) == 3
+    dense = documented - moe_only - threads  # no MoE series, no adaptive threads here
     for name in dense:
         assert re.search(rf"^{re.escape(name)}(_count|_bucket)?[{{ ]", text, re.MULTILINE), name
     assert families == {name.removesuffix("_total") for name in dense}
+
+
+def test_adaptive_threads_render_their_series_once_the_engine_reports_them():
+    metrics = Metrics("m")
+    metrics.update_stats(EngineStats(intraop_threads=1, cpu_others_cores=0.9, thread_changes=2))
+    metrics.update_stats(EngineStats(intraop_threads=2, cpu_others_cores=0.1, thread_changes=3))
+    text = metrics.render()[0].decode()
+    rendered = set(re.findall(r"^# TYPE (lifeline:\S+)", text, re.MULTILINE))
+    assert adaptive_thread_metric_names(documented_metric_names()) <= rendered
+    assert sample(metrics, "lifeline:intraop_threads") == 2
+    assert sample(metrics, "lifeline:cpu_other_processes_cores") == pytest.approx(0.1)
+    assert sample(metrics, "lifeline:intraop_thread_changes_total") == 3
 
 
 def test_histograms_and_counters_move_when_a_request_is_observed():
