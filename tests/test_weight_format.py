@@ -12,6 +12,7 @@ from lifeline.model.weight_format import (
     BF16Linear,
     Int8Linear,
     _fold_value_rotation,
+    _quantize_rows,
     apply_weight_format,
     hadamard,
     onednn_int8,
@@ -281,3 +282,27 @@ def test_one_loaded_gguf_model_behind_two_engines_is_formatted_once():
     assert loaded.weight_format.count("->int8-all") == 1, loaded.weight_format
     with pytest.raises(ValueError, match="already int8-all"):
         LLM(loaded, weights="bf16")
+
+
+@pytest.mark.parametrize("rotate", [0, 32])
+def test_int8_rows_are_the_bytes_torch_quantize_per_channel_gives(rotate):
+    """`_quantize_rows` writes the quantizer's arithmetic out (twice as fast): the same int8
+    values, scales and dequantized row sums as `torch.quantize_per_channel`, ties at half a
+    step rounded to even as it rounds them, and the weight it reads left as it was."""
+    gen = torch.Generator().manual_seed(11)
+    weight = torch.randn(300, 64, generator=gen) * torch.logspace(-4, 3, 300).unsqueeze(1)
+    weight[0] = (torch.arange(64) - 31.5) / 4  # every value half a step of 1/4 off the grid
+    weight[0, 0] = 127 / 4  # the row's largest: a scale of exactly 1/4
+    weight[1] = 0.0  # an all-zero row: the smallest scale, every value 0
+    before = weight.clone()
+    rotation = hadamard(rotate) if rotate else None
+    qweight, scales, row_sums = _quantize_rows(weight, rotation)
+    assert torch.equal(weight, before)
+    source = rotate_columns(weight, rotation) if rotation is not None else weight
+    expected = torch.quantize_per_channel(source, scales, torch.zeros(300, dtype=torch.long), 0,
+                                          torch.qint8)
+    assert torch.equal(qweight.int_repr(), expected.int_repr())
+    assert torch.equal(scales, (source.abs().amax(1).clamp_min(1e-12) / 127).double())
+    assert torch.equal(row_sums, expected.dequantize().sum(1))
+    if not rotate:  # the ties did round to even
+        assert qweight.int_repr()[0, :4].tolist() == [127, -30, -30, -28]

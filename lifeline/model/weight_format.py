@@ -315,10 +315,14 @@ def _quantize_rows(weight: torch.Tensor, rotation: torch.Tensor | None
         if rotation is not None:  # rescoring reads the unrotated rows, with the unrotated input
             chunk = rotate_columns(chunk, rotation)
         chunk_scales = (chunk.abs().amax(1).clamp_min(1e-12) / 127).double()
-        quantized = _int8_rows(chunk, chunk_scales)
-        values[part] = quantized.int_repr()
+        # torch.quantize_per_channel's arithmetic (round-half-even of value * (1 / float
+        # scale)), written out: the same bytes at twice its speed, and no quantized tensor to
+        # unpack and dequantize (tests/test_weight_format.py holds the two equal)
+        inverse = (1.0 / chunk_scales.float()).unsqueeze(1)
+        quantized = (chunk * inverse).round_().clamp_(-128, 127).to(torch.int8)
+        values[part] = quantized
         scales[part] = chunk_scales
-        row_sums[part] = quantized.dequantize().sum(1)
+        row_sums[part] = (quantized.float() * chunk_scales.float().unsqueeze(1)).sum(1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PyTorch deprecates quantized tensors for torchao
         qweight = torch._make_per_channel_quantized_tensor(
