@@ -39,6 +39,7 @@ servers in turn N times and prints every round's ratio.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -150,18 +151,14 @@ def bench(server: Server, args: list[str]) -> dict[str, Any]:
 
 
 def read_bandwidth() -> float:
-    """The machine's read bandwidth now, GB/s: PyTorch with the servers' 2 threads summing a
-    512 MiB tensor, best of 5 (a subprocess: this script imports nothing heavy)."""
-    code = ("import time, torch\n"
-            f"torch.set_num_threads({THREADS})\n"
-            "a = torch.ones(128 * 2**20)\n"
-            "best = float('inf')\n"
-            "for _ in range(6):\n"
-            "    t = time.perf_counter()\n"
-            "    a.sum().item()\n"
-            "    best = min(best, time.perf_counter() - t)\n"
-            "print(a.numel() * 4 / best / 1e9)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    """The machine's read bandwidth now, GB/s, with the servers' 2 threads
+    (`lifeline.plan.calibrate.measure_bandwidth`: 512 MiB summed, best of 5), in a subprocess:
+    this script imports nothing heavy."""
+    code = (f"import torch; torch.set_num_threads({THREADS})\n"
+            "from lifeline.plan.calibrate import measure_bandwidth\n"
+            "print(measure_bandwidth() / 1e9)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
     return float(out.stdout.strip())
 
 
@@ -266,10 +263,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 if name in ("single", "busy"):
                     bandwidth[label] = read_bandwidth()
                 with make() as server:
-                    if spec.get("busy"):
-                        with Busy():
-                            figures[label] = _figures(name, bench(server, spec["args"]))
-                    else:
+                    with Busy() if spec.get("busy") else contextlib.nullcontext():
                         figures[label] = _figures(name, bench(server, spec["args"]))
                     memory[label] = server.resident_mib()
                 if label in bandwidth and figures[label].get("decode tok/s"):

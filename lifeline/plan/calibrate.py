@@ -173,9 +173,17 @@ def measure_peaks(repeats: int = 5) -> Peaks:
         int8 = 2 * rows * width * width / _best(lambda: layer.int8_matmul(x), repeats)
         a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
         fp32 = 2 * 1024 ** 3 / _best(lambda: a @ b, repeats)
-        big = torch.ones(BANDWIDTH_BYTES // 4)
-        bandwidth = BANDWIDTH_BYTES / _best(big.sum, repeats)
-    return Peaks(int8, fp32, bandwidth)
+    return Peaks(int8, fp32, measure_bandwidth(repeats))
+
+
+def measure_bandwidth(repeats: int = 5) -> float:
+    """Bytes/s reading a float32 tensor of `BANDWIDTH_BYTES` with PyTorch's threads, best of
+    `repeats` (`benchmarks/vs_llamacpp.py` reads it before each server's run)."""
+    import torch
+
+    big = torch.ones(BANDWIDTH_BYTES // 4)
+    with torch.inference_mode():
+        return BANDWIDTH_BYTES / _best(big.sum, repeats)
 
 
 # -- 2. engine steps -----------------------------------------------------------------------------
