@@ -23,8 +23,8 @@ row's own: same precision, a tenth of the kernels, but not bit for bit the batch
 Batches of rows go through oneDNN's int8 GEMM instead where this PyTorch has it and it does not
 saturate (`onednn_int8`): the same per-row scales, quantized by us to u8 around 128, and faster
 from a few rows up (docs/performance.md). The head keeps oneDNN's copy alone, its lone rows too
-(`onednn_only`): a second copy of 262,144 rows costs more memory than its GEMV saves time. `int8-all` stacks the projections that share an input
-(the family's `fused` projections, lifeline.model.registry: q/k/v, gate/up) into one GEMM each
+(`onednn_only`): a second copy of 262,144 rows costs more memory than its GEMV saves time.
+`int8-all` stacks the projections that share an input (the family's `fused` projections, lifeline.model.registry: q/k/v, gate/up) into one GEMM each
 (`FusedProjections`) and drops their float32 copies. It also rotates every projection's input
 by a block Hadamard matrix before quantizing it (`Int8Linear(rotate=)`; for o_proj the rotation
 is folded into the value and output weights; the head's input is rotated too): the essay's
@@ -100,18 +100,18 @@ class Int8Linear(nn.Module):
         self.stored = stored if rescore_top else None
         self.bias = linear.bias
         self.rotation = hadamard(rotate) if rotate else None
-        qweight, scales, row_sums = _quantize_rows(linear.weight.detach(), self.rotation)
+        values, scales, row_sums = _quantize_rows(linear.weight.detach(), self.rotation)
         self.register_buffer("row_sums", row_sums.unsqueeze(0))
         self.onednn = onednn_int8()
         self.packed = None if onednn_only and self.onednn else \
-            torch.ops.quantized.linear_prepack(qweight, None)
+            torch.ops.quantized.linear_prepack(_per_channel(values, scales), None)
         self.reduce_range = fbgemm_saturates()
         if self.onednn:  # a second copy of the weights, in oneDNN's layout, for batches
-            self.onednn_packed = torch.ops.onednn.qlinear_prepack(qweight.int_repr(), None)
+            self.onednn_packed = torch.ops.onednn.qlinear_prepack(values, None)
             self.register_buffer("weight_scales", scales.float())
             self.register_buffer("weight_zeros", torch.zeros(len(scales), dtype=torch.long))
-        self.rescore_top = min(rescore_top, qweight.shape[0])
-        self.out_features, self.in_features = qweight.shape
+        self.rescore_top = min(rescore_top, values.shape[0])
+        self.out_features, self.in_features = values.shape
         self.register_buffer("compile_handle", None, persistent=False)
         """Set by `lifeline.model.compiled.compile_forward`: compiled code calls fbgemm's GEMM
         with this layer's packed weights through an operator by this handle (Dynamo cannot
@@ -303,7 +303,7 @@ were ~2 GB at the start on Gemma 3 270M's 262k x 640 head)."""
 def _quantize_rows(weight: torch.Tensor, rotation: torch.Tensor | None
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-row symmetric int8 of `weight` (times `rotation`'s block-diagonal Hadamard matrix
-    first, where given), chunk by chunk: the quantized tensor, its float64 scales and each
+    first, where given), chunk by chunk: the int8 values, their float64 scales and each
     row's sum of dequantized values (the activations' zero-point correction)."""
     rows, cols = weight.shape
     values = torch.empty(rows, cols, dtype=torch.int8)
@@ -323,18 +323,16 @@ def _quantize_rows(weight: torch.Tensor, rotation: torch.Tensor | None
         values[part] = quantized
         scales[part] = chunk_scales
         row_sums[part] = (quantized.float() * chunk_scales.float().unsqueeze(1)).sum(1)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # PyTorch deprecates quantized tensors for torchao
-        qweight = torch._make_per_channel_quantized_tensor(
-            values, scales, torch.zeros(rows, dtype=torch.long), 0)
-    return qweight, scales, row_sums
+    return values, scales, row_sums
 
 
-def _int8_rows(weight: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+def _per_channel(values: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """int8 `values` with one float64 scale a row as the quantized tensor fbgemm's packing
+    takes (a view of the same bytes)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # PyTorch deprecates quantized tensors for torchao
-        return torch.quantize_per_channel(weight, scales, torch.zeros(len(scales), dtype=torch.long),
-                                          0, torch.qint8)
+        return torch._make_per_channel_quantized_tensor(
+            values, scales, torch.zeros(len(scales), dtype=torch.long), 0)
 
 
 @cache
@@ -366,7 +364,7 @@ def fbgemm_saturates() -> bool:
     pairs of u8 x s8 products in int16 (saturating), which is why PyTorch quantizes activations
     to 7 bits on x86 by default (`reduce_range`); with VNNI (vpdpbusd) the sums are int32.
     The probe makes every pair overflow int16: 255 * 127 * 2 > 32767."""
-    weight = _int8_rows(torch.full((8, 640), 127.0), torch.ones(8).double())
+    weight = _per_channel(torch.full((8, 640), 127, dtype=torch.int8), torch.ones(8).double())
     packed = torch.ops.quantized.linear_prepack(weight, None)
     x = torch.ones(16, 640)
     x[:, 0] = 0.0

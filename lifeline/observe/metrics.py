@@ -114,8 +114,8 @@ class Metrics:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage)
-        if stats.intraop_threads is not None:
-            with self._lock:
+        with self._lock:
+            if stats.intraop_threads is not None:
                 if self._threads is None:
                     self._threads = (
                         self._gauge("intraop_threads", "Threads each engine step runs with "
@@ -126,12 +126,10 @@ class Metrics:
                                     [self._model_name]),
                         self._counter("intraop_thread_changes", "Times the adaptive thread "
                                       "count changed.", [self._model_name]))
-            threads, others, changes = self._threads
-            threads.set(stats.intraop_threads)
-            others.set(stats.cpu_others_cores or 0.0)
-            with self._lock:
+                threads, others, changes = self._threads
+                threads.set(stats.intraop_threads)
+                others.set(stats.cpu_others_cores or 0.0)
                 self._advance(changes, "thread_changes", stats.thread_changes)
-        with self._lock:
             self._advance(self.cache_queries, "queries", stats.prefix_cache_queries)
             self._advance(self.cache_hits, "hits", stats.prefix_cache_hits)
             self._advance(self.preemptions, "preemptions", stats.num_preemptions)
