@@ -140,3 +140,76 @@ def test_large_batches_take_the_gemm_road_with_the_same_product(qtype, bf16):
     assert torch.equal(small, direct)  # below the threshold: the dot kernels, untouched
     rel = (big.double() - loose).norm() / magnitude
     assert rel < (0.005 if bf16 else 1e-6), rel
+
+
+REPACKED = [T.Q4_0, T.Q4_1, T.Q4_K]
+"""The 4-bit types `gguf_repack` interleaves eight rows at a time (the one-row product's layout)."""
+
+
+def repacked(w: torch.Tensor, qtype: T, cols: int) -> tuple[torch.Tensor, int]:
+    packed_type = torch.ops.lifeline_gguf.gguf_repacked_type(int(qtype))
+    assert packed_type >= 0
+    return torch.ops.lifeline_gguf.gguf_repack(w, int(qtype), cols), packed_type
+
+
+def test_only_the_4_bit_types_are_repacked():
+    for qtype in TYPES:
+        assert (torch.ops.lifeline_gguf.gguf_repacked_type(int(qtype)) >= 0) == (qtype in REPACKED)
+    with pytest.raises(RuntimeError, match="no repacked layout"):
+        torch.ops.lifeline_gguf.gguf_repack(random_blocks(T.Q6_K, 8, 256), int(T.Q6_K), 256)
+
+
+@pytest.mark.parametrize("qtype", REPACKED, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows", [1, 8, 13])
+def test_repacked_weights_hold_the_same_values_on_every_path(qtype, rows):
+    block = GGML_QUANT_SIZES[qtype][0]
+    cols = 2 * block if block == 256 else 3 * block
+    w = random_blocks(qtype, rows, cols, seed=rows)
+    packed, packed_type = repacked(w, qtype, cols)
+    assert packed.shape[0] == (rows + 7) // 8
+    ref = dequantized(w, qtype, cols)
+    for path in available_paths():
+        assert torch.ops.lifeline_gguf.gguf_force_path(path) == path
+        values = torch.ops.lifeline_gguf.gguf_dequantize(packed, packed_type, cols, False)
+        assert values.shape == ((rows + 7) // 8 * 8, cols)
+        # the stored layout's own dequantization, bit for bit, and zeros in the padding rows
+        assert torch.equal(values[:rows], torch.ops.lifeline_gguf.gguf_dequantize(
+            w, int(qtype), cols, False)), PATHS[path]
+        assert not values[rows:].any()
+        torch.testing.assert_close(values[:rows].double(), ref, rtol=1e-6, atol=1e-7)
+    torch.ops.lifeline_gguf.gguf_force_path(-1)
+
+
+@pytest.mark.parametrize("qtype", REPACKED, ids=lambda t: t.name)
+@pytest.mark.parametrize("rows,batch", [(1, 1), (13, 1), (33, 3), (64, 17)])
+def test_repacked_product_is_the_dequantized_product_on_every_path(qtype, rows, batch):
+    block = GGML_QUANT_SIZES[qtype][0]
+    cols = 2 * block if block == 256 else 5 * block
+    w = random_blocks(qtype, rows, cols, seed=rows + 1)
+    packed, packed_type = repacked(w, qtype, cols)
+    x = torch.randn(batch, cols, generator=torch.Generator().manual_seed(batch))
+    exact = q8_activations(x) @ dequantized(w, qtype, cols).T
+    for path in available_paths():
+        assert torch.ops.lifeline_gguf.gguf_force_path(path) == path
+        y = torch.ops.lifeline_gguf.gguf_linear(x, packed, packed_type, rows)
+        assert y.shape == (batch, rows)
+        torch.testing.assert_close(y.double(), exact, rtol=1e-4, atol=1e-4 * exact.abs().max(),
+                                   msg=lambda m: f"{PATHS[path]}: {m}")
+    torch.ops.lifeline_gguf.gguf_force_path(-1)
+    # the GEMM road decodes the repacked layout to the same matrix
+    try:
+        torch.ops.lifeline_gguf.gguf_set_gemm(1, False)
+        big = torch.ops.lifeline_gguf.gguf_linear(x, packed, packed_type, rows)
+    finally:
+        torch.ops.lifeline_gguf.gguf_set_gemm(0, False)
+    loose = x.double() @ dequantized(w, qtype, cols).T
+    assert (big.double() - loose).abs().max() <= 1e-5 * max(1.0, loose.abs().max())
+
+
+def test_repacked_shapes_are_checked():
+    w = random_blocks(T.Q4_1, 16, 64)
+    packed, packed_type = repacked(w, T.Q4_1, 64)
+    with pytest.raises(RuntimeError, match="repacked weights of 17 rows"):
+        torch.ops.lifeline_gguf.gguf_linear(torch.randn(1, 64), packed, packed_type, 17)
+    with pytest.raises(RuntimeError, match="repacked weights of 16 rows of 96"):
+        torch.ops.lifeline_gguf.gguf_linear(torch.randn(1, 96), packed, packed_type, 16)

@@ -247,6 +247,8 @@ def test_weights_as_stored_follow_llamacpp_on_smollm2_up_to_ties():
     assert not linears, linears[:2]
     stored = [m for m in model.layers.modules() if isinstance(m, GGUFLinear)]
     assert len(stored) == 4 * len(model.layers)  # qkv, o, gate_up, down
+    # Q4_1: every layer repacked, eight rows interleaved (the one-row product's layout)
+    assert all(m.qtype != m.stored_qtype for m in stored)
     n = FIXTURES["settings"]["max_new_tokens"]
     for name, prompt in sorted(PROMPTS.items()):
         ours = llm.generate({"prompt_token_ids": prompt["prompt_ids"]},

@@ -61,6 +61,25 @@ bool type_info(int64_t qtype, TypeInfo* info) {
   }
 }
 
+// Weights repacked for one-row products (`gguf_repack`): 4-bit values of eight rows interleaved,
+// so that one pass over a 32-value block dots eight rows at once and its scales are one vector
+// (the dot kernels above spend most of a block on one row's scalar scale work: ~10 cycles a
+// block, a third of the memory's pace on two cores). Per group of 8 rows (the last padded
+// with zero rows) and block of 32 values: 128 bytes of nibbles, rows (0,1), (2,3), (4,5), (6,7)
+// in 32 bytes each (a row's 16 bytes: value i in the low nibble of byte i, value i + 16 in the
+// high one), then the 8 rows' d and the 8 rows' m (w = d u + m) in the lane order the kernel's
+// horizontal adds leave them in (`X8_LANE`): fp16 as stored for Q4_1 (160 bytes), float32 for
+// Q4_0 and Q4_K (192 bytes: Q4_K's sub-block scale d * sc, exact in float32, not in fp16).
+enum : int64_t { X8_F16 = 1024, X8_F32 = 1025 };
+constexpr int X8_LANE[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // lane -> row of the group
+constexpr int X8_POS[8] = {0, 4, 1, 5, 2, 6, 3, 7};   // row of the group -> lane
+
+inline bool is_x8(int64_t qtype) { return qtype == X8_F16 || qtype == X8_F32; }
+inline int64_t x8_block_bytes(int64_t qtype) { return qtype == X8_F16 ? 160 : 192; }
+inline int64_t x8_type_for(int64_t qtype) {
+  return qtype == Q4_1 ? X8_F16 : qtype == Q4_0 || qtype == Q4_K ? X8_F32 : -1;
+}
+
 inline float fp16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -302,6 +321,12 @@ inline __m256i dot32(__m256i u, __m256i x) {
   // u <= 63 (or <= 128 for Q8_0's magnitudes) and |x| <= 127: a pair's sum fits int16
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
 }
+// dot32(lo, xl) + dot32(hi, xh) for 4-bit u (<= 15): each pair's int16 sum <= 3810, two <= 7620
+inline __m256i dot64(__m256i lo, __m256i xl, __m256i hi, __m256i xh) {
+  return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),
+                                            _mm256_maddubs_epi16(hi, xh)),
+                           _mm256_set1_epi16(1));
+}
 #include __FILE__
 }  // namespace isa_avx2
 #pragma GCC pop_options
@@ -312,6 +337,9 @@ namespace isa_avxvnni {
 inline __m256i dot32(__m256i u, __m256i x) {
   return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, x);
 }
+inline __m256i dot64(__m256i lo, __m256i xl, __m256i hi, __m256i xh) {
+  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), lo, xl), hi, xh);
+}
 #include __FILE__
 }  // namespace isa_avxvnni
 #pragma GCC pop_options
@@ -321,6 +349,9 @@ inline __m256i dot32(__m256i u, __m256i x) {
 namespace isa_avx512vnni {
 inline __m256i dot32(__m256i u, __m256i x) {
   return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, x);
+}
+inline __m256i dot64(__m256i lo, __m256i xl, __m256i hi, __m256i xh) {
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, xl), hi, xh);
 }
 #include __FILE__
 }  // namespace isa_avx512vnni
@@ -383,6 +414,96 @@ LinearRows linear_rows_for(int path) {
   }
 }
 
+// ---- repacked weights, portable path and dispatch
+
+// Row r of a repacked group, block b: u [32], d, m.
+void x8_unpack(int64_t qtype, const uint8_t* gp, int64_t b, int r, uint8_t* u, float* d, float* m) {
+  const uint8_t* p = gp + b * x8_block_bytes(qtype);
+  const uint8_t* q = p + (r / 2) * 32 + (r % 2) * 16;
+  for (int i = 0; i < 16; ++i) {
+    u[i] = q[i] & 15;
+    u[i + 16] = q[i] >> 4;
+  }
+  if (qtype == X8_F16) {
+    *d = fp16(p + 128 + 2 * X8_POS[r]);
+    *m = fp16(p + 144 + 2 * X8_POS[r]);
+  } else {
+    std::memcpy(d, p + 128 + 4 * X8_POS[r], 4);
+    std::memcpy(m, p + 160 + 4 * X8_POS[r], 4);
+  }
+}
+
+void x8_linear_scalar(int64_t qtype, const uint8_t* wp, int64_t g0, int64_t g1, const Acts& x,
+                      int64_t N, float* out, int64_t M) {
+  const int64_t nb = x.K / 32, group_bytes = nb * x8_block_bytes(qtype);
+  uint8_t u[32];
+  float d, m;
+  for (int64_t g = g0; g < g1; ++g)
+    for (int r = 0; r < 8 && g * 8 + r < M; ++r)
+      for (int64_t n = 0; n < N; ++n) {
+        float acc = 0.f;
+        for (int64_t b = 0; b < nb; ++b) {
+          x8_unpack(qtype, wp + g * group_bytes, b, r, u, &d, &m);
+          const int8_t* a = x.a + n * x.K + 32 * b;
+          int32_t sum = 0;
+          for (int i = 0; i < 32; ++i) sum += int32_t(u[i]) * a[i];
+          acc += float(sum) * (d * x.dx[n * nb + b]) + m * x.s32[n * nb + b];
+        }
+        out[n * M + g * 8 + r] = acc;
+      }
+}
+
+void x8_dequant_scalar(int64_t qtype, const uint8_t* wp, int64_t g0, int64_t g1, int64_t M,
+                       int64_t K, void* out, bool bf16) {
+  const int64_t nb = K / 32, group_bytes = nb * x8_block_bytes(qtype);
+  uint8_t u[32];
+  float d, m;
+  for (int64_t g = g0; g < g1; ++g)
+    for (int r = 0; r < 8 && g * 8 + r < M; ++r)
+      for (int64_t b = 0; b < nb; ++b) {
+        x8_unpack(qtype, wp + g * group_bytes, b, r, u, &d, &m);
+        for (int i = 0; i < 32; ++i) {
+          const float v = d * float(u[i]) + m;
+          const int64_t k = (g * 8 + r) * K + 32 * b + i;
+          if (bf16)
+            static_cast<at::BFloat16*>(out)[k] = at::BFloat16(v);
+          else
+            static_cast<float*>(out)[k] = v;
+        }
+      }
+}
+
+using X8Linear = void (*)(int64_t, const uint8_t*, int64_t, int64_t, const Acts&, int64_t, float*,
+                          int64_t);
+using X8Dequant = void (*)(int64_t, const uint8_t*, int64_t, int64_t, int64_t, int64_t, void*, bool);
+
+X8Linear x8_linear_for(int path) {
+  switch (path) {
+    case PATH_AVX512VNNI: return isa_avx512vnni::x8_linear;
+    case PATH_AVXVNNI: return isa_avxvnni::x8_linear;
+    case PATH_AVX2: return isa_avx2::x8_linear;
+    default: return x8_linear_scalar;
+  }
+}
+
+X8Dequant x8_dequant_for(int path) {
+  switch (path) {
+    case PATH_AVX512VNNI: return isa_avx512vnni::x8_dequant;
+    case PATH_AVXVNNI: return isa_avxvnni::x8_dequant;
+    case PATH_AVX2: return isa_avx2::x8_dequant;
+    default: return x8_dequant_scalar;
+  }
+}
+
+void check_x8(const at::Tensor& w, int64_t qtype, int64_t K, int64_t M, const char* op) {
+  TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), op,
+              ": repacked weights must be contiguous uint8 [groups, group_bytes]");
+  TORCH_CHECK(K > 0 && K % 32 == 0, op, ": ", K, " values a row is not a whole number of blocks of 32");
+  TORCH_CHECK(w.size(0) == (M + 7) / 8 && w.size(1) == K / 32 * x8_block_bytes(qtype), op,
+              ": repacked weights of ", M, " rows of ", K, " values are [", (M + 7) / 8, ", ",
+              K / 32 * x8_block_bytes(qtype), "], not [", w.size(0), ", ", w.size(1), "]");
+}
+
 void check_weight(const at::Tensor& w, int64_t qtype, int64_t K, TypeInfo* info, const char* op) {
   TORCH_CHECK(type_info(qtype, info), op, ": unsupported GGML type ", qtype);
   TORCH_CHECK(w.scalar_type() == at::kByte && w.dim() == 2 && w.is_contiguous(), op,
@@ -433,12 +554,51 @@ at::Tensor dequantize_matrix(const at::Tensor& w, int64_t qtype, int64_t K, bool
   return out;
 }
 
+// The activations quantized once per call (`quantize_row`, each row).
+struct QuantizedActs {
+  std::vector<int8_t> a;
+  std::vector<float> dx, s16, s32;
+  QuantizedActs(const float* xp, int64_t N, int64_t K)
+      : a(N * K), dx(N * K / 32), s16(N * K / 16), s32(N * K / 32) {
+    for (int64_t n = 0; n < N; ++n)
+      quantize_row(xp + n * K, K, a.data() + n * K, dx.data() + n * K / 32,
+                   s16.data() + n * K / 16, s32.data() + n * K / 32);
+  }
+  Acts view(int64_t K) const { return Acts{a.data(), dx.data(), s16.data(), s32.data(), K}; }
+};
+
+// A repacked weight decoded into [M, K] (the GEMM road), as `dequantize_matrix`.
+at::Tensor x8_dequantize_matrix(const at::Tensor& w, int64_t qtype, int64_t K, int64_t M, bool bf16,
+                                at::Tensor* scratch = nullptr) {
+  const auto dtype = bf16 ? at::kBFloat16 : at::kFloat;
+  at::Tensor out;
+  if (scratch != nullptr) {
+    if (!scratch->defined() || scratch->scalar_type() != dtype || scratch->numel() < M * K)
+      *scratch = at::empty({M * K}, w.options().dtype(dtype));
+    out = scratch->narrow(0, 0, M * K).view({M, K});
+  } else {
+    out = at::empty({M, K}, w.options().dtype(dtype));
+  }
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  void* op = out.data_ptr();
+  const X8Dequant groups = x8_dequant_for(current_path());
+  parallel_ranges(w.size(0), std::max<int64_t>(1, 2048 / K), [&](int64_t begin, int64_t end) {
+    groups(qtype, wp, begin, end, M, K, op, bf16);
+  });
+  return out;
+}
+
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
                        int64_t out_features) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "gguf_linear: x must be float32 [N, K]");
-  const int64_t N = x.size(0), K = x.size(1), M = w.size(0);
+  const int64_t N = x.size(0), K = x.size(1);
+  const bool x8 = is_x8(qtype);
   TypeInfo info;
-  check_weight(w, qtype, K, &info, "gguf_linear");
+  if (x8)
+    check_x8(w, qtype, K, out_features, "gguf_linear");
+  else
+    check_weight(w, qtype, K, &info, "gguf_linear");
+  const int64_t M = x8 ? out_features : w.size(0);
   TORCH_CHECK(out_features == M, "gguf_linear: ", M, " weight rows, not ", out_features);
   auto xc = x.contiguous();
   const int64_t gemm_rows = gemm_min_rows.load(std::memory_order_relaxed);
@@ -447,30 +607,86 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
     // one buffer per thread (engines of several models may run at once), the size of the
     // largest weight it has decoded: freed with the thread
     thread_local at::Tensor scratch;
-    const auto wd = dequantize_matrix(w, qtype, K, bf16, &scratch);
+    const auto wd = x8 ? x8_dequantize_matrix(w, qtype, K, M, bf16, &scratch)
+                       : dequantize_matrix(w, qtype, K, bf16, &scratch);
     return bf16 ? at::linear(xc.to(at::kBFloat16), wd).to(at::kFloat) : at::linear(xc, wd);
   }
   auto out = at::empty({N, M}, x.options());
   if (N == 0 || M == 0) return out;
-  // the activations, quantized once
-  std::vector<int8_t> a(N * K);
-  std::vector<float> dx(N * K / 32), s16(N * K / 16), s32(N * K / 32);
-  const float* xp = xc.data_ptr<float>();
-  for (int64_t n = 0; n < N; ++n)
-    quantize_row(xp + n * K, K, a.data() + n * K, dx.data() + n * K / 32, s16.data() + n * K / 16,
-                 s32.data() + n * K / 32);
-  const Acts acts{a.data(), dx.data(), s16.data(), s32.data(), K};
+  const QuantizedActs q(xc.data_ptr<float>(), N, K);
+  const Acts acts = q.view(K);
   const uint8_t* wp = w.data_ptr<uint8_t>();
-  const int64_t row_bytes = w.size(1);
   float* op = out.data_ptr<float>();
-  const LinearRows rows = linear_rows_for(current_path());
   // a thread gets at least ~256K multiply-adds: a small product runs on the calling thread
   const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 18) / std::max<int64_t>(1, K * N));
+  if (x8) {
+    const X8Linear groups = x8_linear_for(current_path());
+    parallel_ranges(w.size(0), std::max<int64_t>(1, grain / 8), [&](int64_t begin, int64_t end) {
+      groups(qtype, wp, begin, end, acts, N, op, M);
+    });
+    return out;
+  }
+  const int64_t row_bytes = w.size(1);
+  const LinearRows rows = linear_rows_for(current_path());
   parallel_ranges(M, grain, [&](int64_t begin, int64_t end) {
     rows(qtype, wp, row_bytes, begin, end, acts, N, op, M);
   });
   return out;
 }
+
+// W's rows repacked eight at a time (X8_F16 / X8_F32, above) for `gguf_linear`: [ceil(M/8),
+// K/32 * block bytes], the last group padded with zero rows. Q4_0, Q4_1 and Q4_K only.
+at::Tensor gguf_repack(const at::Tensor& w, int64_t qtype, int64_t K) {
+  TypeInfo info;
+  check_weight(w, qtype, K, &info, "gguf_repack");
+  const int64_t xt = x8_type_for(qtype);
+  TORCH_CHECK(xt >= 0, "gguf_repack: no repacked layout for GGML type ", qtype);
+  const int64_t M = w.size(0), G = (M + 7) / 8, nb = K / 32, BB = x8_block_bytes(xt);
+  const int64_t row_bytes = w.size(1);
+  auto out = at::zeros({G, nb * BB}, w.options());
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  uint8_t* op = out.data_ptr<uint8_t>();
+  at::parallel_for(0, G, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; ++g)
+      for (int r = 0; r < 8 && g * 8 + r < M; ++r) {
+        const uint8_t* src = wp + (g * 8 + r) * row_bytes;
+        for (int64_t b = 0; b < nb; ++b) {
+          uint8_t* p = op + (g * nb + b) * BB;
+          uint8_t* q = p + (r / 2) * 32 + (r % 2) * 16;
+          float d, m;
+          if (qtype == Q4_1) {
+            const uint8_t* blk = src + b * 20;
+            std::memcpy(q, blk + 4, 16);
+            std::memcpy(p + 128 + 2 * X8_POS[r], blk, 2);
+            std::memcpy(p + 144 + 2 * X8_POS[r], blk + 2, 2);
+            continue;
+          }
+          if (qtype == Q4_0) {
+            const uint8_t* blk = src + b * 18;
+            std::memcpy(q, blk + 2, 16);
+            d = fp16(blk);
+            m = -8.f * d;
+          } else {  // Q4_K: sub-block j of super-block b / 8, its nibbles rearranged
+            const uint8_t* blk = src + (b / 8) * 144;
+            const int j = static_cast<int>(b % 8);
+            uint8_t sc, mn;
+            scale_min_k4(j, blk + 4, &sc, &mn);
+            d = fp16(blk) * sc;
+            m = -fp16(blk + 2) * mn;
+            const uint8_t* qs = blk + 16 + 32 * (j / 2);
+            const int shift = 4 * (j % 2);
+            for (int i = 0; i < 16; ++i)
+              q[i] = static_cast<uint8_t>(((qs[i] >> shift) & 15) | (((qs[i + 16] >> shift) & 15) << 4));
+          }
+          std::memcpy(p + 128 + 4 * X8_POS[r], &d, 4);
+          std::memcpy(p + 160 + 4 * X8_POS[r], &m, 4);
+        }
+      }
+  });
+  return out;
+}
+
+int64_t gguf_repacked_type(int64_t qtype) { return x8_type_for(qtype); }
 
 at::Tensor gguf_get_rows(const at::Tensor& w, int64_t qtype, const at::Tensor& ids,
                          int64_t K) {
@@ -506,6 +722,10 @@ at::Tensor gguf_get_rows(const at::Tensor& w, int64_t qtype, const at::Tensor& i
 }
 
 at::Tensor gguf_dequantize(const at::Tensor& w, int64_t qtype, int64_t K, bool bf16) {
+  if (is_x8(qtype)) {  // every row of every group, the padding's zero rows included
+    check_x8(w, qtype, K, w.size(0) * 8, "gguf_dequantize");
+    return x8_dequantize_matrix(w, qtype, K, w.size(0) * 8, bf16);
+  }
   TypeInfo info;
   check_weight(w, qtype, K, &info, "gguf_dequantize");
   return dequantize_matrix(w, qtype, K, bf16);
@@ -530,6 +750,8 @@ TORCH_LIBRARY(lifeline_gguf, m) {
   m.def("gguf_linear(Tensor x, Tensor w, int qtype, int out_features) -> Tensor");
   m.def("gguf_get_rows(Tensor w, int qtype, Tensor ids, int K) -> Tensor");
   m.def("gguf_dequantize(Tensor w, int qtype, int K, bool bf16) -> Tensor");
+  m.def("gguf_repack(Tensor w, int qtype, int K) -> Tensor");
+  m.def("gguf_repacked_type(int qtype) -> int", gguf_repacked_type);
   m.def("gguf_kernel_path() -> int", gguf_kernel_path);
   m.def("gguf_force_path(int path) -> int", gguf_force_path);
   m.def("gguf_set_gemm(int min_rows, bool bf16) -> int", gguf_set_gemm);
@@ -538,6 +760,7 @@ TORCH_LIBRARY(lifeline_gguf, m) {
 TORCH_LIBRARY_IMPL(lifeline_gguf, CPU, m) {
   m.impl("gguf_linear", gguf_linear);
   m.impl("gguf_get_rows", gguf_get_rows);
+  m.impl("gguf_repack", gguf_repack);
   m.impl("gguf_dequantize", gguf_dequantize);
 }
 #else  // LIFELINE_GGUF_KERNEL_PASS: the kernels of one instruction set (see above)
@@ -762,6 +985,64 @@ void linear_rows(int64_t qtype, const uint8_t* wp, int64_t row_bytes, int64_t r0
   }
 }
 
+// ---- repacked weights (X8_F16 / X8_F32): eight rows a block, one activation row at a time
+// (the group's bytes stay in L1 between activation rows)
+template <bool F16>
+void x8_rows(const uint8_t* wp, int64_t g0, int64_t g1, const Acts& x, int64_t N, float* out,
+             int64_t M) {
+  constexpr int64_t BB = F16 ? 160 : 192;
+  const int64_t K = x.K, nb = K / 32;
+  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint8_t* gp = wp + g * nb * BB;
+    for (int64_t n = 0; n < N; ++n) {
+      const int8_t* a = x.a + n * K;
+      const float* dx = x.dx + n * nb;
+      const float* s32 = x.s32 + n * nb;
+      __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), off = _mm256_setzero_ps();
+      const uint8_t* p = gp;
+      for (int64_t b = 0; b < nb; ++b, p += BB) {
+        const __m128i al = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 32 * b));
+        const __m128i ah = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a + 32 * b + 16));
+        const __m256i xl = _mm256_set_m128i(al, al), xh = _mm256_set_m128i(ah, ah);
+        __m256i v[4];
+        for (int k = 0; k < 4; ++k) {
+          const __m256i q = load32(p + 32 * k);
+          v[k] = dot64(_mm256_and_si256(q, m4), xl, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4), xh);
+        }
+        const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+        __m256 d, m;
+        if constexpr (F16) {
+          d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 128)));
+          m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 144)));
+        } else {
+          d = _mm256_loadu_ps(reinterpret_cast<const float*>(p + 128));
+          m = _mm256_loadu_ps(reinterpret_cast<const float*>(p + 160));
+        }
+        const __m256 s = _mm256_mul_ps(d, _mm256_set1_ps(dx[b]));
+        if (b & 1)
+          acc1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), s, acc1);
+        else
+          acc0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), s, acc0);
+        off = _mm256_fmadd_ps(m, _mm256_set1_ps(s32[b]), off);
+      }
+      alignas(32) float t[8];
+      _mm256_store_ps(t, _mm256_add_ps(_mm256_add_ps(acc0, acc1), off));
+      float* o = out + n * M + g * 8;
+      for (int l = 0; l < 8; ++l)
+        if (g * 8 + X8_LANE[l] < M) o[X8_LANE[l]] = t[l];
+    }
+  }
+}
+
+void x8_linear(int64_t qtype, const uint8_t* wp, int64_t g0, int64_t g1, const Acts& x,
+               int64_t N, float* out, int64_t M) {
+  if (qtype == X8_F16)
+    x8_rows<true>(wp, g0, g1, x, N, out, M);
+  else
+    x8_rows<false>(wp, g0, g1, x, N, out, M);
+}
+
 // ---- dequantization (the GEMM road for large batches): 32 values at a time from registers
 
 inline void store8(__m256 f, float* out) { _mm256_storeu_ps(out, f); }
@@ -835,6 +1116,38 @@ void dequant_row(int64_t qtype, const uint8_t* w, int64_t K, Out* out) {
         }
       }
     }
+  }
+}
+
+template <class Out>
+void x8_dequant_group(int64_t qtype, const uint8_t* gp, int64_t g, int64_t M, int64_t K, Out* out) {
+  const int64_t BB = x8_block_bytes(qtype);
+  for (int64_t b = 0; b < K / 32; ++b) {
+    const uint8_t* p = gp + b * BB;
+    for (int r = 0; r < 8 && g * 8 + r < M; ++r) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (r / 2) * 32 + (r % 2) * 16));
+      const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+      float d, m;
+      if (qtype == X8_F16) {
+        d = h16(p + 128 + 2 * X8_POS[r]);
+        m = h16(p + 144 + 2 * X8_POS[r]);
+      } else {
+        std::memcpy(&d, p + 128 + 4 * X8_POS[r], 4);
+        std::memcpy(&m, p + 160 + 4 * X8_POS[r], 4);
+      }
+      emit32<false>(u, d, m, d, m, out + (g * 8 + r) * K + 32 * b);
+    }
+  }
+}
+
+void x8_dequant(int64_t qtype, const uint8_t* wp, int64_t g0, int64_t g1, int64_t M, int64_t K,
+                void* out, bool bf16) {
+  const int64_t group_bytes = K / 32 * x8_block_bytes(qtype);
+  for (int64_t g = g0; g < g1; ++g) {
+    if (bf16)
+      x8_dequant_group(qtype, wp + g * group_bytes, g, M, K, static_cast<at::BFloat16*>(out));
+    else
+      x8_dequant_group(qtype, wp + g * group_bytes, g, M, K, static_cast<float*>(out));
   }
 }
 

@@ -55,6 +55,23 @@ class StoredTensor:
     def nbytes(self) -> int:
         return self.raw.numel()
 
+    def release_pages(self) -> None:
+        """Drop this tensor's file pages from the process's resident memory (`MADV_DONTNEED`
+        on the read-only mapping: they stay in the page cache, and a later read faults them
+        back), once a repacked copy holds its values. Nothing where the call is missing."""
+        import ctypes
+        import mmap
+
+        page = mmap.PAGESIZE
+        start = self.raw.data_ptr() // page * page
+        end = self.raw.data_ptr() + self.raw.numel()
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start),
+                         ctypes.c_int(mmap.MADV_DONTNEED))
+        except (AttributeError, OSError):
+            pass
+
     def in_model_order(self) -> torch.Tensor:
         """`raw` with its rows in the model's order: the file's own view where they are, else a
         copy of the quantized bytes (never of float values)."""
@@ -67,14 +84,23 @@ class GGUFLinear(nn.Module):
     int8 in blocks of 32 (llama.cpp's Q8_0 for activations) and dotted with the blocks as
     stored, or, from `GEMM_MIN_ROWS` rows (a prefill, a large batch), the weight decoded into a
     transient buffer for PyTorch's GEMM (`configure_gemm`). The weight's bytes are the file's
-    (a view of its memory map) or, for stacked or reordered rows, a copy of them."""
+    (a view of its memory map) or, for stacked or reordered rows, a copy of them; 4-bit types
+    (Q4_0, Q4_1, Q4_K) are repacked, eight rows interleaved (`lifeline_gguf::gguf_repack`: the
+    same values in a layout whose one-row product runs at the memory's pace, where the dot
+    kernels spend ~10 cycles of scalar scale work a block), unless `repack=False`."""
 
     def __init__(self, raw: torch.Tensor, qtype: int, in_features: int,
-                 bias: torch.Tensor | None = None):
+                 bias: torch.Tensor | None = None, repack: bool = True):
         super().__init__()
         register_fakes()
+        self.out_features = raw.shape[0]
+        self.stored_qtype = int(qtype)
+        """The GGML type of the file's blocks (`qtype` is the repacked layout's where repacked)."""
+        packed = torch.ops.lifeline_gguf.gguf_repacked_type(qtype) if repack else -1
+        if packed >= 0:
+            raw, qtype = torch.ops.lifeline_gguf.gguf_repack(raw, qtype, in_features), packed
         self.register_buffer("raw", raw, persistent=False)
-        self.qtype, self.in_features, self.out_features = int(qtype), in_features, raw.shape[0]
+        self.qtype, self.in_features = int(qtype), in_features
         self.bias = bias
 
     @classmethod
@@ -83,7 +109,9 @@ class GGUFLinear(nn.Module):
         must share a block type."""
         raws = [part.in_model_order() for part in parts]
         raw = raws[0] if len(raws) == 1 else torch.cat(raws)
-        return cls(raw, parts[0].qtype, parts[0].cols, bias)
+        layer = cls(raw, parts[0].qtype, parts[0].cols, bias)
+        layer.parts = tuple(parts)  # the file's tensors, until the weight format releases them
+        return layer
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -94,8 +122,9 @@ class GGUFLinear(nn.Module):
         return y.reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
+        layout = "as stored" if self.qtype == self.stored_qtype else "8 rows interleaved"
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"type={GGMLQuantizationType(self.qtype).name} (as stored)")
+                f"type={GGMLQuantizationType(self.stored_qtype).name} ({layout})")
 
 
 GEMM_MIN_ROWS_BF16 = 8

@@ -462,6 +462,12 @@ def _as_stored(model: nn.Module) -> None:
                 part = stored.get(prefix + name + ".weight")
                 if type(child) is nn.Linear and part is not None:
                     setattr(parent, name, GGUFLinear.stack([part], child.bias))
+    for module in model.modules():  # a repacked layer holds its own copy: the file's pages go
+        if isinstance(module, GGUFLinear) and module.qtype != module.stored_qtype:
+            for part in module.parts:
+                part.release_pages()
+        if isinstance(module, GGUFLinear):
+            module.parts = ()
     model.stored_tensors = {}  # the layers hold what they use
 
 
