@@ -7,6 +7,7 @@ import torch
 import transformers
 
 from lifeline import LLM, SamplingParams
+from lifeline.model.layers.attention import PagedAttention
 from tests.reference.tiny_hf import hf_greedy
 from tests.test_models_hf import _prompt, tiny_model
 
@@ -26,6 +27,11 @@ def test_compiled_forward_matches_transformers_and_never_compiles_after_warmup(t
     kind, model, path = tiny
     llm = LLM(path, compile=True, max_num_batched_tokens=24, block_size=4)
     assert llm.engine.compiled
+    # decode steps' attention in C++ (lifeline_ext::paged_attention; Gemma 3's window of 8 in
+    # its own pools): the greedy tokens below are transformers'
+    layers = [m for m in llm.loaded.model.modules() if isinstance(m, PagedAttention)]
+    assert layers and all(m.compiled_op == torch.ops.lifeline_ext.paged_attention
+                          for m in layers)
     graphs = _unique_graphs()
     ids = _prompt(45, seed=1)
     ours = llm.prompt_logits(ids)  # chunks of 24 and 21 tokens

@@ -17,7 +17,7 @@ from lifeline.engine.scheduler import ScheduledRequest, SchedulerOutput
 from lifeline.model import registry
 from lifeline.model.config import ModelConfig
 from lifeline.model.context import forward_context
-from lifeline.model.layers.attention import AttentionMetadata, PrefillSeq
+from lifeline.model.layers.attention import AttentionMetadata, PrefillSeq, set_native_decode_step
 from lifeline.model.weight_format import has_shortlist
 
 
@@ -232,9 +232,15 @@ class ModelRunner:
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         """The model's call: hidden states of every scheduled token."""
         dev = self.device
-        with forward_context(inputs.meta.to(dev), self.kv_caches):
+        meta = inputs.meta.to(dev)
+        with forward_context(meta, self.kv_caches):
             if inputs.image_embeds is None:
-                return self.forward(inputs.input_ids.to(dev), inputs.positions.to(dev))
+                if not set_native_decode_step(meta, self.kv_caches, self.config.sliding_window):
+                    return self.forward(inputs.input_ids.to(dev), inputs.positions.to(dev))
+                try:
+                    return self.forward(inputs.input_ids.to(dev), inputs.positions.to(dev))
+                finally:
+                    torch.ops.lifeline_ext.clear_decode_step()
             # a step with image tokens runs eager: its input embeddings are spliced here
             t0 = time.perf_counter()
             ids = inputs.input_ids.to(dev)

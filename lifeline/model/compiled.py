@@ -58,6 +58,7 @@ import torch
 from torch import nn
 
 from lifeline.model.native import native_ops
+from lifeline.model.layers.attention import PagedAttention, compiled_attention_op
 from lifeline.model.registry import family_of
 
 log = logging.getLogger(__name__)
@@ -149,6 +150,8 @@ def compile_forward(model: nn.Module, identity: str = ""
         if hasattr(module, "int8_matmul") and not module.rescore_top and module.packed is not None:
             module.compile_handle = torch.tensor([register_int8_linear(module)])
             module.compile_op = int8_linear_op()
+        if isinstance(module, PagedAttention):
+            module.compiled_op = compiled_attention_op()
     forward = model.forward
 
     def traced(input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

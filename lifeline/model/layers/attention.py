@@ -11,6 +11,7 @@ data that changes every step, as vLLM's attention operator does.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -92,12 +93,14 @@ class PagedAttention(nn.Module):
     def __init__(self, layer_idx: int, scale: float, window: int | None):
         super().__init__()
         self.layer_idx, self.scale, self.window = layer_idx, scale, window
+        self.compiled_op = torch.ops.lifeline.paged_attention
+        """The operator compiled code calls (`compiled_attention_op`, set before tracing)."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [N, H, D]; k, v: [N, KVH, D] for the step's new tokens. Returns [N, H, D]."""
         if torch.compiler.is_compiling():
-            return torch.ops.lifeline.paged_attention(q, k, v.contiguous(), self.layer_idx,
-                                                      self.scale, self.window)
+            return self.compiled_op(q, k, v.contiguous(), self.layer_idx, self.scale,
+                                    self.window)
         return context_attention(q, k, v, self.layer_idx, self.scale, self.window)
 
     def extra_repr(self) -> str:
@@ -126,6 +129,55 @@ _LIB.define("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scal
             " -> Tensor")
 _LIB.impl("paged_attention", context_attention, "CPU")
 _LIB.impl("paged_attention", _attention_op_meta, "Meta")
+
+
+_native_fake = False
+
+
+def native_attention() -> bool:
+    """Whether `lifeline_ext::paged_attention` (lifeline/csrc/cpu_ops.cpp) is built."""
+    global _native_fake
+    if not native_ops() or not hasattr(torch.ops.lifeline_ext, "paged_attention"):
+        return False
+    if not _native_fake:
+        torch.library.register_fake("lifeline_ext::paged_attention")(_attention_op_meta)
+        _native_fake = True
+    return True
+
+
+def compiled_attention_op():
+    """The attention operator for compiled code: `lifeline_ext::paged_attention` where built
+    (a decode-only step set by `set_native_decode_step` runs in C++, any other goes on to
+    `lifeline::paged_attention`), else the Python operator itself."""
+    if native_attention():
+        return torch.ops.lifeline_ext.paged_attention
+    return torch.ops.lifeline.paged_attention
+
+
+def set_native_decode_step(meta: AttentionMetadata,
+                           kv_caches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                           window: int | None) -> bool:
+    """Hands a decode-only step of up to `NATIVE_DECODE_MAX` requests on the CPU to
+    `lifeline_ext::paged_attention` (the pools, the new tokens' slots, each context's slots and
+    masks, for full-attention layers and for layers of sliding `window`), so that a compiled
+    layer's attention runs without a call back into Python; the caller clears it after the
+    forward (`torch.ops.lifeline_ext.clear_decode_step`). False, and nothing set, for any other
+    step."""
+    d = meta.num_decodes
+    if meta.prefills or not 0 < d <= NATIVE_DECODE_MAX or meta.decode_slots is None or \
+            meta.slot_mapping.device.type != "cpu" or not native_attention():
+        return False
+    full = meta.decode_mask(None).view(d, -1)
+    if window is None:
+        w_slots, w_decode, w_mask, window = meta.slot_mapping, meta.decode_slots, full, -1
+    else:
+        wm = meta.window_meta if meta.window_meta is not None else meta
+        w_slots, w_decode = wm.slot_mapping, wm.decode_slots
+        w_mask = wm.decode_mask(window).view(d, -1)
+    torch.ops.lifeline_ext.set_decode_step([t for pair in kv_caches for t in pair],
+                                           meta.slot_mapping, meta.decode_slots, full, w_slots,
+                                           w_decode, w_mask, window)
+    return True
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
