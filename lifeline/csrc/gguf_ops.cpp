@@ -14,7 +14,8 @@
 // has either, AVX2 (vpmaddubsw + vpmaddwd: every u8 x s8 pair here fits int16: u <= 63, or
 // |q| <= 128 for Q8_0 by the sign trick) where not, and portable C++ on any other CPU. The path
 // is chosen at run time from what the CPU reports (`gguf_kernel_path`), never assumed at build
-// time, and can be forced down for tests (`gguf_force_path`).
+// time, and can be forced down for tests (`gguf_force_path`: a path the CPU lacks gives the best
+// one below it that it has).
 //
 // Each weight row's blocks are unpacked in registers and dotted with up to four activation
 // rows at once (the SIMD kernels: the kernel pass at the end of this file, compiled once per
@@ -250,26 +251,33 @@ struct Acts {
 // Kernel paths, best first.
 enum Path : int { PATH_SCALAR = 0, PATH_AVX2 = 1, PATH_AVXVNNI = 2, PATH_AVX512VNNI = 3 };
 
-int detect_path() {
+// The paths this CPU runs, a bit each: the VNNI paths are not nested (a Zen 4 has
+// AVX-512 VNNI but not the VEX-encoded AVX-VNNI).
+int detect_paths() {
   __builtin_cpu_init();
+  int paths = 1 << PATH_SCALAR;
   // every SIMD path needs AVX2, FMA and F16C (the blocks' fp16 scales)
   if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c")))
-    return PATH_SCALAR;
+    return paths;
+  paths |= 1 << PATH_AVX2;
+  if (__builtin_cpu_supports("avxvnni")) paths |= 1 << PATH_AVXVNNI;
   if (__builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
       __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512f"))
-    return PATH_AVX512VNNI;
-  if (__builtin_cpu_supports("avxvnni")) return PATH_AVXVNNI;
-  return PATH_AVX2;
-  return PATH_SCALAR;
+    paths |= 1 << PATH_AVX512VNNI;
+  return paths;
 }
 
-const int best_path = detect_path();
+const int supported_paths = detect_paths();
+const int best_path = 31 - __builtin_clz(supported_paths);
 std::atomic<int> forced_path{-1};
 
+// The forced path, or the best this CPU runs below it (never one it does not run).
 int current_path() {
-  const int f = forced_path.load(std::memory_order_relaxed);
-  return f >= 0 && f < best_path ? f : best_path;
+  int f = forced_path.load(std::memory_order_relaxed);
+  if (f < 0 || f > best_path) return best_path;
+  while (!(supported_paths & (1 << f))) --f;
+  return f;
 }
 
 // A decoded weight row: u [K] (u8, or s8 for Q8_0), the scales of each 32-value block as 8
@@ -531,20 +539,21 @@ void parallel_ranges(int64_t n, int64_t grain, const std::function<void(int64_t,
 std::atomic<int64_t> gemm_min_rows{0};
 std::atomic<bool> gemm_bf16{false};
 
-// `scratch`: where to decode (grown as needed and kept: a fresh buffer each call is a fresh
-// mapping whose every page faults), else a new tensor.
+// The [M, K] float32 or bfloat16 matrix a weight is decoded into: `scratch` (grown as needed
+// and kept: a fresh buffer each call is a fresh mapping whose every page faults), else a new
+// tensor.
+at::Tensor decoded_buffer(const at::Tensor& w, int64_t M, int64_t K, bool bf16, at::Tensor* scratch) {
+  const auto dtype = bf16 ? at::kBFloat16 : at::kFloat;
+  if (scratch == nullptr) return at::empty({M, K}, w.options().dtype(dtype));
+  if (!scratch->defined() || scratch->scalar_type() != dtype || scratch->numel() < M * K)
+    *scratch = at::empty({M * K}, w.options().dtype(dtype));
+  return scratch->narrow(0, 0, M * K).view({M, K});
+}
+
 at::Tensor dequantize_matrix(const at::Tensor& w, int64_t qtype, int64_t K, bool bf16,
                              at::Tensor* scratch = nullptr) {
   const int64_t M = w.size(0), row_bytes = w.size(1);
-  const auto dtype = bf16 ? at::kBFloat16 : at::kFloat;
-  at::Tensor out;
-  if (scratch != nullptr) {
-    if (!scratch->defined() || scratch->scalar_type() != dtype || scratch->numel() < M * K)
-      *scratch = at::empty({M * K}, w.options().dtype(dtype));
-    out = scratch->narrow(0, 0, M * K).view({M, K});
-  } else {
-    out = at::empty({M, K}, w.options().dtype(dtype));
-  }
+  at::Tensor out = decoded_buffer(w, M, K, bf16, scratch);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   void* op = out.data_ptr();
   const DequantRows rows = dequant_rows_for(current_path());
@@ -570,15 +579,7 @@ struct QuantizedActs {
 // A repacked weight decoded into [M, K] (the GEMM road), as `dequantize_matrix`.
 at::Tensor x8_dequantize_matrix(const at::Tensor& w, int64_t qtype, int64_t K, int64_t M, bool bf16,
                                 at::Tensor* scratch = nullptr) {
-  const auto dtype = bf16 ? at::kBFloat16 : at::kFloat;
-  at::Tensor out;
-  if (scratch != nullptr) {
-    if (!scratch->defined() || scratch->scalar_type() != dtype || scratch->numel() < M * K)
-      *scratch = at::empty({M * K}, w.options().dtype(dtype));
-    out = scratch->narrow(0, 0, M * K).view({M, K});
-  } else {
-    out = at::empty({M, K}, w.options().dtype(dtype));
-  }
+  at::Tensor out = decoded_buffer(w, M, K, bf16, scratch);
   const uint8_t* wp = w.data_ptr<uint8_t>();
   void* op = out.data_ptr();
   const X8Dequant groups = x8_dequant_for(current_path());
