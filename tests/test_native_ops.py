@@ -67,3 +67,44 @@ def test_decode_attention_reads_a_16_bit_cache_as_sdpa_does_on_its_widened_value
     torch.testing.assert_close(ours, widened, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(attention._decode(q, k_cache, v_cache, meta, 0.125, None),
                                widened, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 4, 1), (256, 4, 1),
+                                                     (80, 4, 2)])
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("lengths,masked", [((517, 300, 1), (0, 70, 0)), ((517,), (300,))],
+                         ids=["batch", "one"])
+def test_decode_attention_of_long_contexts_in_chunks_on_each_head_size(
+        monkeypatch, dtype, head_dim, heads, kv_heads, threads, lengths, masked):
+    """Contexts long enough to be split over the threads (flash decoding: each chunk's maximum,
+    sum and weighted values, merged after), on the vector kernel's head sizes (64, 128, 256)
+    and on one it has none for (80: the portable kernel); contexts masked in their first
+    positions (a sliding window), one so far that whole chunks of it are masked."""
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(head_dim + threads)
+        pool = 1600
+        k_cache = torch.randn(pool, kv_heads, head_dim, generator=gen).to(dtype)
+        v_cache = torch.randn(pool, kv_heads, head_dim, generator=gen).to(dtype)
+        lengths = torch.tensor(lengths)
+        longest = int(lengths.max())
+        perm = torch.randperm(pool, generator=gen)
+        slots = torch.zeros(len(lengths), longest, dtype=torch.long)
+        for i, n in enumerate(lengths.tolist()):
+            slots[i, :n] = perm[i * longest:i * longest + n]
+        valid = torch.arange(longest).unsqueeze(0) < lengths.unsqueeze(1)
+        for i, n in enumerate(masked):
+            valid[i, :n] = False
+        meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long),
+                                 num_decodes=len(lengths), decode_slots=slots,
+                                 decode_positions=lengths - 1, decode_valid=valid)
+        q = torch.randn(len(lengths), heads, head_dim, generator=gen)
+        ours = attention._decode(q, k_cache, v_cache, meta, head_dim ** -0.5, None)
+        monkeypatch.setattr(attention, "native_ops", lambda: False)
+        meta.masks.clear()
+        reference = attention._decode(q, k_cache.float(), v_cache.float(), meta,
+                                      head_dim ** -0.5, None)
+        torch.testing.assert_close(ours, reference, atol=2e-5, rtol=1e-4)
+    finally:
+        torch.set_num_threads(2)

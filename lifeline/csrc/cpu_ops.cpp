@@ -7,6 +7,7 @@
 // calling the dispatcher again): ~1 ms of a 11 ms decode step at batch 1. Here it is a table
 // lookup.
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/native/quantized/PackedParams.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -14,7 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
-#if defined(__F16C__) && defined(__AVX__)
+#if defined(__AVX__) || defined(__SSE__)
 #include <immintrin.h>
 #endif
 #include <mutex>
@@ -92,54 +93,285 @@ inline const float* widen_row(const c10::Half* src, float* buf, int64_t n) {
   return buf;
 }
 
+// exp(x) for each x[i] in place, vectorized by the compiler (std::exp is not, without
+// -ffast-math): exp(x) = 2^n exp(r), n = round(x log2 e), r = x - n ln 2 (split in two parts
+// for exactness), exp(r) on |r| <= ln2/2 by its Taylor polynomial to degree 7 (relative error
+// below 2e-7, as libm's within a float32 ulp or two); x below -87.3 (a masked score, -inf) gives
+// exactly 0.
+inline void exp_inplace(float* x, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = x[i];
+    const float c = std::min(std::max(v, -87.3f), 88.f);
+    const float k = std::floor(c * 1.44269504088896341f + 0.5f);
+    const float r = (c - k * 0.693145751953125f) - k * 1.42860682030941723e-6f;
+    float p = 1.f / 5040.f;
+    p = p * r + 1.f / 720.f;
+    p = p * r + 1.f / 120.f;
+    p = p * r + 1.f / 24.f;
+    p = p * r + 1.f / 6.f;
+    p = p * r + 0.5f;
+    p = p * r + 1.f;
+    p = p * r + 1.f;
+    const float two_k = __builtin_bit_cast(float, (static_cast<int32_t>(k) + 127) << 23);
+    x[i] = v < -87.3f ? 0.f : p * two_k;
+  }
+}
+
+// One chunk [l0, l1) of one sequence's context for the `group` query heads sharing KV head g:
+// its scores' maximum per head (m), the sum of exp(score - m) (sum) and the exp-weighted sum of
+// its values (acc [group, hd]); the chunks of a context are merged after (flash decoding).
+template <typename T>
+void attend_chunk(const float* qg, const T* kp, const T* vp, const int64_t* srow,
+                  const float* mrow, int64_t l0, int64_t l1, int64_t KVH, int64_t g,
+                  int64_t group, int64_t hd, float s, float* m, float* sum, float* acc) {
+  const int64_t n = l1 - l0;
+  std::vector<float> scores(group * n), row(hd);
+  for (int64_t l = l0; l < l1; ++l) {
+    const float* k = widen_row(kp + (srow[l] * KVH + g) * hd, row.data(), hd);
+    for (int64_t h = 0; h < group; ++h) {  // padding reads slot 0: finite, then -inf
+      const float* qh = qg + h * hd;
+      float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+      for (int64_t i = 0; i < hd; ++i) dot += qh[i] * k[i];
+      scores[h * n + (l - l0)] = dot * s + mrow[l];
+    }
+  }
+  for (int64_t h = 0; h < group; ++h) {
+    float* sc = scores.data() + h * n;
+    float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+    for (int64_t l = 0; l < n; ++l) top = std::max(top, sc[l]);
+    m[h] = top;
+    if (top == -INFINITY) {  // every position of the chunk masked
+      sum[h] = 0.f;
+      std::fill(sc, sc + n, 0.f);
+      continue;
+    }
+#pragma omp simd
+    for (int64_t l = 0; l < n; ++l) sc[l] -= top;
+    exp_inplace(sc, n);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t l = 0; l < n; ++l) total += sc[l];
+    sum[h] = total;
+  }
+  std::fill(acc, acc + group * hd, 0.f);
+  for (int64_t l = l0; l < l1; ++l) {
+    const float* v = nullptr;
+    for (int64_t h = 0; h < group; ++h) {
+      const float p = scores[h * n + (l - l0)];
+      if (p == 0.f) continue;
+      if (v == nullptr) v = widen_row(vp + (srow[l] * KVH + g) * hd, row.data(), hd);
+      float* a = acc + h * hd;
+#pragma omp simd
+      for (int64_t i = 0; i < hd; ++i) a[i] += p * v[i];
+    }
+  }
+}
+
+// The same chunk with the row read as whole vectors (AVX-512 or AVX2: this library is built
+// for the machine it runs on), for head sizes that are a multiple of the vector: each key row
+// widened once into registers and dotted with every query head of the group, and the rows of
+// the next positions prefetched (the context's rows are scattered over the pool: a kernel that
+// waits on each row runs at a fraction of the memory's speed).
+#if defined(__AVX512F__)
+struct Vec {
+  using V = __m512;
+  static constexpr int W = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load(const c10::Half* p) {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+  static V load(const c10::BFloat16* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+  }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+};
+#define LIFELINE_VEC_ATTENTION 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+struct Vec {
+  using V = __m256;
+  static constexpr int W = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load(const c10::Half* p) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static V load(const c10::BFloat16* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(
+        _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+  }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+  static float sum(V v) {
+    __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_movehdup_ps(q));
+    return _mm_cvtss_f32(q);
+  }
+};
+#define LIFELINE_VEC_ATTENTION 1
+#endif
+
+#ifdef LIFELINE_VEC_ATTENTION
+constexpr int64_t PREFETCH_AHEAD = 8;  // positions
+
+template <typename T>
+inline void prefetch_row(const T* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T0);
+}
+
+template <typename T, int NV>
+void attend_chunk_vec(const float* qg, const T* kp, const T* vp, const int64_t* srow,
+                      const float* mrow, int64_t l0, int64_t l1, int64_t KVH, int64_t g,
+                      int64_t group, float s, float* m, float* sum, float* acc) {
+  using V = typename Vec::V;
+  constexpr int64_t hd = NV * Vec::W;
+  constexpr int64_t row_bytes = hd * sizeof(T);
+  const int64_t n = l1 - l0;
+  std::vector<float> scores(group * n);
+  auto row = [&](const T* pool, int64_t l) { return pool + (srow[l] * KVH + g) * hd; };
+  for (int64_t l = l0; l < std::min(l1, l0 + PREFETCH_AHEAD); ++l) prefetch_row(row(kp, l), row_bytes);
+  for (int64_t l = l0; l < l1; ++l) {
+    if (l + PREFETCH_AHEAD < l1) prefetch_row(row(kp, l + PREFETCH_AHEAD), row_bytes);
+    const T* kr = row(kp, l);
+    V k[NV];
+    for (int j = 0; j < NV; ++j) k[j] = Vec::load(kr + j * Vec::W);
+    for (int64_t h = 0; h < group; ++h) {
+      const float* qh = qg + h * hd;
+      V a0 = Vec::zero(), a1 = Vec::zero();
+      for (int j = 0; j + 1 < NV; j += 2) {
+        a0 = Vec::fma(Vec::load(qh + j * Vec::W), k[j], a0);
+        a1 = Vec::fma(Vec::load(qh + (j + 1) * Vec::W), k[j + 1], a1);
+      }
+      if (NV % 2) a0 = Vec::fma(Vec::load(qh + (NV - 1) * Vec::W), k[NV - 1], a0);
+      scores[h * n + (l - l0)] = Vec::sum(Vec::add(a0, a1)) * s + mrow[l];
+    }
+  }
+  for (int64_t l = l0; l < std::min(l1, l0 + PREFETCH_AHEAD); ++l) prefetch_row(row(vp, l), row_bytes);
+  for (int64_t h = 0; h < group; ++h) {
+    float* sc = scores.data() + h * n;
+    float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+    for (int64_t l = 0; l < n; ++l) top = std::max(top, sc[l]);
+    m[h] = top;
+    if (top == -INFINITY) {  // every position of the chunk masked
+      sum[h] = 0.f;
+      std::fill(sc, sc + n, 0.f);
+      continue;
+    }
+#pragma omp simd
+    for (int64_t l = 0; l < n; ++l) sc[l] -= top;
+    exp_inplace(sc, n);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t l = 0; l < n; ++l) total += sc[l];
+    sum[h] = total;
+  }
+  std::fill(acc, acc + group * hd, 0.f);
+  for (int64_t l = l0; l < l1; ++l) {  // masked positions weigh exactly 0 (exp_inplace)
+    if (l + PREFETCH_AHEAD < l1) prefetch_row(row(vp, l + PREFETCH_AHEAD), row_bytes);
+    const T* vr = row(vp, l);
+    V v[NV];
+    for (int j = 0; j < NV; ++j) v[j] = Vec::load(vr + j * Vec::W);
+    for (int64_t h = 0; h < group; ++h) {
+      const V p = Vec::set1(scores[h * n + (l - l0)]);
+      float* a = acc + h * hd;
+      for (int j = 0; j < NV; ++j) Vec::store(a + j * Vec::W, Vec::fma(p, v[j], Vec::load(a + j * Vec::W)));
+    }
+  }
+}
+#endif
+
+// The chunk by the vector kernel where the head size has one (64, 128, 256 values), else by
+// the portable one.
+template <typename T>
+void attend(const float* qg, const T* kp, const T* vp, const int64_t* srow, const float* mrow,
+            int64_t l0, int64_t l1, int64_t KVH, int64_t g, int64_t group, int64_t hd, float s,
+            float* m, float* sum, float* acc) {
+#ifdef LIFELINE_VEC_ATTENTION
+  switch (hd) {
+    case 4 * Vec::W:
+      return attend_chunk_vec<T, 4>(qg, kp, vp, srow, mrow, l0, l1, KVH, g, group, s, m, sum, acc);
+    case 8 * Vec::W:
+      return attend_chunk_vec<T, 8>(qg, kp, vp, srow, mrow, l0, l1, KVH, g, group, s, m, sum, acc);
+    case 16 * Vec::W:
+      return attend_chunk_vec<T, 16>(qg, kp, vp, srow, mrow, l0, l1, KVH, g, group, s, m, sum, acc);
+  }
+#endif
+  attend_chunk(qg, kp, vp, srow, mrow, l0, l1, KVH, g, group, hd, s, m, sum, acc);
+}
+
+// Positions a chunk holds at least: below it, a chunk's setup and merge cost more than a
+// second thread saves.
+constexpr int64_t CHUNK_MIN = 64;
+
 template <typename T>
 void decode_attention_impl(const float* qp, const T* kp, const T* vp, const int64_t* sp,
                            const float* mp, float* op, int64_t D, int64_t H, int64_t hd,
                            int64_t KVH, int64_t L, float s) {
-  const int64_t group = H / KVH;
-  std::vector<float> scores(group * L);
-  std::vector<float> acc(group * hd);
-  std::vector<float> row(hd);
-  for (int64_t item = 0; item < D * KVH; ++item) {
-    const int64_t d = item / KVH, g = item % KVH;
-    const int64_t* srow = sp + d * L;
-    const float* mrow = mp + d * L;
-    const float* qg = qp + (d * H + g * group) * hd;
-    for (int64_t l = 0; l < L; ++l) {
-      const float* k = widen_row(kp + (srow[l] * KVH + g) * hd, row.data(), hd);
-      for (int64_t h = 0; h < group; ++h) {  // padding reads slot 0: finite, then -inf
-        const float* qh = qg + h * hd;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < hd; ++i) dot += qh[i] * k[i];
-        scores[h * L + l] = dot * s + mrow[l];
+  const int64_t group = H / KVH, items = D * KVH;
+  // Split each context into chunks so that both threads have work even for one sequence of
+  // few KV heads (SmolLM2: 3): the (sequence, KV head, chunk) units run in parallel.
+  const int64_t threads = at::get_num_threads();
+  int64_t chunks = 1;
+  while (items * chunks < 2 * threads && L / (2 * chunks) >= CHUNK_MIN) chunks *= 2;
+  const int64_t span = (L + chunks - 1) / chunks;
+  const int64_t units = items * chunks;
+  std::vector<float> m(units * group), sum(units * group), acc(units * group * hd);
+  auto run = [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t item = u / chunks, c = u % chunks;
+      const int64_t d = item / KVH, g = item % KVH;
+      const int64_t l0 = c * span, l1 = std::min(L, l0 + span);
+      float* mu = m.data() + u * group;
+      float* su = sum.data() + u * group;
+      float* au = acc.data() + u * group * hd;
+      if (l0 >= l1) {
+        std::fill(mu, mu + group, -INFINITY);
+        std::fill(su, su + group, 0.f);
+        std::fill(au, au + group * hd, 0.f);
+        continue;
       }
+      attend(qp + (d * H + g * group) * hd, kp, vp, sp + d * L, mp + d * L, l0, l1, KVH, g, group,
+             hd, s, mu, su, au);
     }
+  };
+  if (units > 1 && L * items >= 2 * CHUNK_MIN)
+    at::parallel_for(0, units, 1, run);
+  else
+    run(0, units);
+  for (int64_t item = 0; item < items; ++item) {  // merge each context's chunks
+    const int64_t d = item / KVH, g = item % KVH;
     for (int64_t h = 0; h < group; ++h) {
-      float* sc = scores.data() + h * L;
-      const float top = *std::max_element(sc, sc + L);
+      float top = -INFINITY;
+      for (int64_t c = 0; c < chunks; ++c) top = std::max(top, m[(item * chunks + c) * group + h]);
+      float* o = op + (d * H + g * group + h) * hd;
+      std::fill(o, o + hd, 0.f);
       float total = 0.f;
-#pragma omp simd reduction(+ : total)
-      for (int64_t l = 0; l < L; ++l) {  // exp(-inf) = 0: vectorized (libmvec), no branch
-        sc[l] = std::exp(sc[l] - top);
-        total += sc[l];
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t u = item * chunks + c;
+        if (m[u * group + h] == -INFINITY) continue;
+        const float w = chunks == 1 ? 1.f : std::exp(m[u * group + h] - top);
+        total += w * sum[u * group + h];
+        const float* a = acc.data() + (u * group + h) * hd;
+#pragma omp simd
+        for (int64_t i = 0; i < hd; ++i) o[i] += w * a[i];
       }
       const float inv = 1.f / total;
-      for (int64_t l = 0; l < L; ++l) sc[l] *= inv;
-    }
-    std::fill(acc.begin(), acc.end(), 0.f);
-    for (int64_t l = 0; l < L; ++l) {
-      const float* v = nullptr;
-      for (int64_t h = 0; h < group; ++h) {
-        const float p = scores[h * L + l];
-        if (p == 0.f) continue;
-        if (v == nullptr) v = widen_row(vp + (srow[l] * KVH + g) * hd, row.data(), hd);
-        float* a = acc.data() + h * hd;
 #pragma omp simd
-        for (int64_t i = 0; i < hd; ++i) a[i] += p * v[i];
-      }
+      for (int64_t i = 0; i < hd; ++i) o[i] *= inv;
     }
-    std::copy(acc.begin(), acc.end(), op + (d * H + g * group) * hd);
   }
 }
 
@@ -164,9 +396,8 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   auto mc = mask.contiguous();
   auto out = at::empty_like(qc);
   const float s = static_cast<float>(scale);
-  // One thread: built with -fopenmp (for at::parallel_for), the library slowed PyTorch's own
-  // parallel kernels in the same process ~7x (index_select + SDPA at 8 x 176 slots: 134 ->
-  // 928 us), so the caller sends only small batches here (attention.NATIVE_DECODE_MAX).
+  // The caller sends only small batches here (attention.NATIVE_DECODE_MAX): larger ones go to
+  // PyTorch's SDPA, which parallelizes over sequences and heads.
   const float* qp = qc.data_ptr<float>();
   const int64_t* sp = sc.data_ptr<int64_t>();
   const float* mp = mc.data_ptr<float>();

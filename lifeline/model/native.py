@@ -29,7 +29,7 @@ GGUF_SOURCE = CSRC / "gguf_ops.cpp"
 _lock = threading.Lock()
 
 
-FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fno-math-errno"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 GGUF_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
 """The GGUF kernels are built for any x86-64 CPU: each SIMD kernel carries its own target
 attribute and is chosen at run time by what the CPU reports, so a library built on one machine
