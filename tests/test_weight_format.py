@@ -15,6 +15,7 @@ from lifeline.model.weight_format import (
     _quantize_rows,
     apply_weight_format,
     hadamard,
+    head_onednn,
     onednn_int8,
     rotate_columns,
     rotation_block,
@@ -106,6 +107,25 @@ def test_int8_row_precision_does_not_depend_on_the_rows_batched_with_it():
     per_call = torch.ops.quantized.linear_dynamic(torch.cat([row, outlier]), head.packed,
                                                   False)[:1]  # one scale for the whole call
     assert float((per_call - exact).abs().max()) > 0.1 * bound
+
+
+@pytest.mark.parametrize("rotate", [0, 32])
+def test_a_one_copy_int8_layer_keeps_the_copy_its_cpu_runs_faster(rotate):
+    """The head keeps one copy of its int8 weights: oneDNN's where its GEMM runs on AMX tiles,
+    fbgemm's elsewhere (`head_onednn`), serving lone rows and batches alike, each row within
+    int8's error of the float32 layer and a lone row as it is in a batch."""
+    layer = _layer()
+    one = Int8Linear(layer, rescore_top=0, rotate=rotate, one_copy=True)
+    assert one.onednn == head_onednn()
+    assert (one.packed is None) == one.onednn
+    assert hasattr(one, "onednn_packed") == one.onednn
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(16, 64, generator=gen)
+    exact = layer(x)
+    bound = float(exact.abs().max())
+    batched = one(x)
+    assert float((batched - exact).abs().max()) < 0.02 * bound
+    assert float((one(x[:1]) - exact[:1]).abs().max()) < 0.02 * bound
 
 
 def test_int8_head_matches_fp32_on_rows_of_any_offset_and_scale():

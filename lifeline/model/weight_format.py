@@ -22,8 +22,11 @@ A lone row (one decode at batch 1) goes straight to fbgemm, whose per-call scale
 row's own: same precision, a tenth of the kernels, but not bit for bit the batched result.
 Batches of rows go through oneDNN's int8 GEMM instead where this PyTorch has it and it does not
 saturate (`onednn_int8`): the same per-row scales, quantized by us to u8 around 128, and faster
-from a few rows up (docs/performance.md). The head keeps oneDNN's copy alone, its lone rows too
-(`onednn_only`): a second copy of 262,144 rows costs more memory than its GEMV saves time.
+from a few rows up (docs/performance.md). The head keeps one copy (`one_copy`): a second copy of
+262,144 rows costs more memory than it saves time. Which one by the CPU (`head_onednn`):
+oneDNN's where its int8 GEMM runs on AMX tiles (Sapphire Rapids: its lone-row GEMV within 8% of
+fbgemm's), fbgemm's elsewhere (an AVX-512 AMD EPYC: Gemma 3's head for one row 4.6 ms against
+oneDNN's 7.0, from memory; equal at 16 rows).
 `int8-all` stacks the projections that share an input (the family's `fused` projections, lifeline.model.registry: q/k/v, gate/up) into one GEMM each
 (`FusedProjections`) and drops their float32 copies. It also rotates every projection's input
 by a block Hadamard matrix before quantizing it (`Int8Linear(rotate=)`; for o_proj the rotation
@@ -89,10 +92,10 @@ class Int8Linear(nn.Module):
     activations are quantized (QuaRot, arXiv:2404.00456), and is applied to each call's input."""
 
     def __init__(self, linear: nn.Linear, rescore_top: int = RESCORE_TOP, rotate: int = 0,
-                 stored: StoredTensor | None = None, onednn_only: bool = False):
-        """`onednn_only`: where oneDNN's int8 GEMM serves (`onednn_int8`), lone rows go through
-        it too and fbgemm's copy of the weights is never made (the head: one copy of its 168 MB
-        on Gemma 3, for a lone row's GEMV ~8% slower, docs/performance.md)."""
+                 stored: StoredTensor | None = None, one_copy: bool = False):
+        """`one_copy`: one copy of the weights, not fbgemm's for lone rows and oneDNN's for
+        batches: oneDNN's where `head_onednn()` (lone rows through it too), else fbgemm's (for
+        batches too; the head: one copy of its 168 MB on Gemma 3, docs/performance.md)."""
         super().__init__()
         # the float32 rows are kept only for rescoring, and not at all where the file's own
         # blocks can give them (`stored`: the same values, lifeline.model.gguf_rows)
@@ -102,8 +105,8 @@ class Int8Linear(nn.Module):
         self.rotation = hadamard(rotate) if rotate else None
         values, scales, row_sums = _quantize_rows(linear.weight.detach(), self.rotation)
         self.register_buffer("row_sums", row_sums.unsqueeze(0))
-        self.onednn = onednn_int8()
-        self.packed = None if onednn_only and self.onednn else \
+        self.onednn = onednn_int8() and (not one_copy or head_onednn())
+        self.packed = None if one_copy and self.onednn else \
             torch.ops.quantized.linear_prepack(_per_channel(values, scales), None)
         self.reduce_range = fbgemm_saturates()
         if self.onednn:  # a second copy of the weights, in oneDNN's layout, for batches
@@ -359,6 +362,15 @@ def onednn_int8() -> bool:
 
 
 @cache
+def head_onednn() -> bool:
+    """Whether a one-copy int8 layer (the head) keeps oneDNN's copy rather than fbgemm's:
+    where oneDNN's int8 GEMM exists and runs on AMX tiles, whose lone-row GEMV is within 8% of
+    fbgemm's; without AMX fbgemm's is ~1.5x faster for one row and equal at 16
+    (docs/performance.md)."""
+    return onednn_int8() and torch.cpu._is_amx_tile_supported()
+
+
+@cache
 def fbgemm_saturates() -> bool:
     """Whether 8-bit activations overflow fbgemm's kernel on this CPU. Without VNNI it adds
     pairs of u8 x s8 products in int16 (saturating), which is why PyTorch quantizes activations
@@ -397,7 +409,7 @@ def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
         rotate = rotation_block(head.in_features) if fmt == "int8-all" else 0
         stored = _stored(model, head)
         model.lm_head = Int8Linear(head, rotate=rotate, stored=stored.get("lm_head.weight"),
-                                   onednn_only=True)
+                                   one_copy=True)
         if "embed_tokens.weight" in stored:
             model.embed_tokens = StoredEmbedding(stored["embed_tokens.weight"])
     if fmt == "int8-all":
@@ -437,7 +449,7 @@ def _as_stored(model: nn.Module) -> None:
     # (docs/performance.md), and its bytes are the size of the file's Q8_0 rows, which
     # the embedding then touches only for the tokens it looks up.
     model.lm_head = Int8Linear(head, rotate=rotation_block(head.in_features),
-                               stored=vocab.get("lm_head.weight"), onednn_only=True)
+                               stored=vocab.get("lm_head.weight"), one_copy=True)
     if "embed_tokens.weight" in vocab:
         model.embed_tokens = StoredEmbedding(vocab["embed_tokens.weight"])
     fusable = family_of(model).fused
