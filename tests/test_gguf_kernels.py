@@ -217,3 +217,18 @@ def test_repacked_shapes_are_checked():
         torch.ops.lifeline_gguf.gguf_linear(torch.randn(1, 64), packed, packed_type, 17)
     with pytest.raises(RuntimeError, match="repacked weights of 16 rows of 96"):
         torch.ops.lifeline_gguf.gguf_linear(torch.randn(1, 96), packed, packed_type, 16)
+
+
+def test_the_gemm_road_starts_where_this_cpu_decodes_faster_than_it_dots():
+    """From 8 rows in bfloat16 with AMX; elsewhere from 32 (bfloat16 where the CPU has it):
+    without AMX the block kernels win at 16 rows (a 16-user decode step)."""
+    from lifeline.model.gguf_rows import GEMM_MIN_ROWS, GEMM_MIN_ROWS_AMX, configure_gemm, native_bf16
+
+    try:
+        rows, bf16 = configure_gemm()
+        assert bf16 == native_bf16()
+        amx = bf16 and torch.cpu._is_amx_tile_supported()
+        assert rows == (GEMM_MIN_ROWS_AMX if amx else GEMM_MIN_ROWS)
+        assert GEMM_MIN_ROWS > 16 >= GEMM_MIN_ROWS_AMX
+    finally:
+        torch.ops.lifeline_gguf.gguf_set_gemm(0, False)

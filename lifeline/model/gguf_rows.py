@@ -127,12 +127,15 @@ class GGUFLinear(nn.Module):
                 f"type={GGMLQuantizationType(self.stored_qtype).name} ({layout})")
 
 
-GEMM_MIN_ROWS_BF16 = 8
-"""Rows from which a GGUF product decodes its weight for PyTorch's bfloat16 GEMM, on a CPU
-with native bfloat16 (AMX or AVX512-BF16): measured on Sapphire Rapids (docs/performance.md),
-at 16 rows the GEMM road takes 0.6x the dot kernels' time, at 512 rows 0.07x."""
-GEMM_MIN_ROWS_FP32 = 16
-"""The same in float32, on a CPU without native bfloat16."""
+GEMM_MIN_ROWS_AMX = 8
+"""Rows from which a GGUF product decodes its weight for PyTorch's bfloat16 GEMM on a CPU with
+AMX: measured on Sapphire Rapids (docs/performance.md), at 16 rows the GEMM road takes 0.6x the
+dot kernels' time, at 512 rows 0.07x."""
+GEMM_MIN_ROWS = 32
+"""The same on any other CPU (bfloat16 where it has AVX512-BF16, float32 where not): without
+AMX the decoded GEMM is slower, and on an AVX-512 AMD EPYC (docs/performance.md) the kernels
+reading the blocks beat it up to 32 rows on Gemma 3 (its dot kernels) and 64 on SmolLM2 (eight
+rows interleaved): SmolLM2's 120 products at 16 rows 19.0 ms against 56.7 decoded."""
 
 
 def native_bf16() -> bool:
@@ -150,13 +153,14 @@ def native_bf16() -> bool:
 
 
 def configure_gemm(min_rows: int | None = None, bf16: bool | None = None) -> tuple[int, bool]:
-    """Set when GGUF products take the GEMM road (`GGUFLinear`): by default bfloat16 from
-    `GEMM_MIN_ROWS_BF16` rows where the CPU has native bfloat16, float32 from
-    `GEMM_MIN_ROWS_FP32` where not; `min_rows=0` never. Returns what was set."""
+    """Set when GGUF products take the GEMM road (`GGUFLinear`): by default in bfloat16 where
+    the CPU has native bfloat16, float32 where not, from `GEMM_MIN_ROWS_AMX` rows where it has
+    AMX, `GEMM_MIN_ROWS` where not; `min_rows=0` never. Returns what was set."""
     if bf16 is None:
         bf16 = native_bf16()
     if min_rows is None:
-        min_rows = GEMM_MIN_ROWS_BF16 if bf16 else GEMM_MIN_ROWS_FP32
+        min_rows = GEMM_MIN_ROWS_AMX if bf16 and torch.cpu._is_amx_tile_supported() else \
+            GEMM_MIN_ROWS
     torch.ops.lifeline_gguf.gguf_set_gemm(min_rows, bf16)
     return min_rows, bf16
 
