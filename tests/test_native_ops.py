@@ -80,7 +80,8 @@ def test_decode_attention_of_long_contexts_in_chunks_on_each_head_size(
     """Contexts long enough to be split over the threads (flash decoding: each chunk's maximum,
     sum and weighted values, merged after), on the vector kernel's head sizes (64, 128, 256)
     and on one it has none for (80: the portable kernel); contexts masked in their first
-    positions (a sliding window), one so far that whole chunks of it are masked."""
+    positions (a sliding window), one so far that whole chunks of it are masked, the masked
+    positions' values NaN (never read, as a padded slot's)."""
     torch.set_num_threads(threads)
     try:
         gen = torch.Generator().manual_seed(head_dim + threads)
@@ -100,7 +101,10 @@ def test_decode_attention_of_long_contexts_in_chunks_on_each_head_size(
                                  num_decodes=len(lengths), decode_slots=slots,
                                  decode_positions=lengths - 1, decode_valid=valid)
         q = torch.randn(len(lengths), heads, head_dim, generator=gen)
-        ours = attention._decode(q, k_cache, v_cache, meta, head_dim ** -0.5, None)
+        poisoned = v_cache.clone()  # a masked position's value is never read
+        for i, n in enumerate(masked):
+            poisoned[slots[i, :n]] = float("nan")
+        ours = attention._decode(q, k_cache, poisoned, meta, head_dim ** -0.5, None)
         monkeypatch.setattr(attention, "native_ops", lambda: False)
         meta.masks.clear()
         reference = attention._decode(q, k_cache.float(), v_cache.float(), meta,

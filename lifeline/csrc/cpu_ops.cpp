@@ -279,8 +279,11 @@ void attend_chunk_vec(const float* qg, const T* kp, const T* vp, const int64_t* 
     sum[h] = total;
   }
   std::fill(acc, acc + group * hd, 0.f);
-  for (int64_t l = l0; l < l1; ++l) {  // masked positions weigh exactly 0 (exp_inplace)
+  for (int64_t l = l0; l < l1; ++l) {
     if (l + PREFETCH_AHEAD < l1) prefetch_row(row(vp, l + PREFETCH_AHEAD), row_bytes);
+    bool weighed = false;  // masked positions weigh exactly 0 (exp_inplace): their rows (a
+    for (int64_t h = 0; h < group; ++h) weighed |= scores[h * n + (l - l0)] != 0.f;
+    if (!weighed) continue;  // padding's slot 0, an overflowed 16-bit value) are never read
     const T* vr = row(vp, l);
     V v[NV];
     for (int j = 0; j < NV; ++j) v[j] = Vec::load(vr + j * Vec::W);
