@@ -8,6 +8,25 @@ from lifeline.model.layers.attention import AttentionMetadata
 from lifeline.model.native import native_ops
 
 
+def scattered_contexts(lengths: torch.Tensor, pool: int, gen: torch.Generator
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each context's slots at random places of a pool of `pool` slots, padded with slot 0, and
+    which of them are real positions."""
+    longest = int(lengths.max())
+    perm = torch.randperm(pool, generator=gen)
+    slots = torch.zeros(len(lengths), longest, dtype=torch.long)
+    for i, n in enumerate(lengths.tolist()):
+        slots[i, :n] = perm[i * longest:i * longest + n]
+    return slots, torch.arange(longest).unsqueeze(0) < lengths.unsqueeze(1)
+
+
+def decode_meta(slots: torch.Tensor, valid: torch.Tensor, lengths: torch.Tensor
+                ) -> AttentionMetadata:
+    return AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long),
+                             num_decodes=len(lengths), decode_slots=slots,
+                             decode_positions=lengths - 1, decode_valid=valid)
+
+
 def test_cpu_ops_build_here():
     assert native_ops(), "the C++ operators did not build (see the warning)"
 
@@ -21,15 +40,8 @@ def test_decode_attention_reads_the_paged_cache_as_sdpa_does(monkeypatch, heads,
     k_cache = torch.randn(pool, kv_heads, head_dim, generator=gen)
     v_cache = torch.randn(pool, kv_heads, head_dim, generator=gen)
     lengths = torch.tensor([1, 7, 30, 13])  # a batch within NATIVE_DECODE_MAX
-    longest = int(lengths.max())
-    perm = torch.randperm(pool, generator=gen)
-    slots = torch.zeros(len(lengths), longest, dtype=torch.long)
-    for i, n in enumerate(lengths.tolist()):
-        slots[i, :n] = perm[i * longest:i * longest + n]
-    valid = torch.arange(longest).unsqueeze(0) < lengths.unsqueeze(1)
-    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long),
-                             num_decodes=len(lengths), decode_slots=slots,
-                             decode_positions=lengths - 1, decode_valid=valid)
+    slots, valid = scattered_contexts(lengths, pool, gen)
+    meta = decode_meta(slots, valid, lengths)
     q = torch.randn(len(lengths), heads, head_dim, generator=gen)
     ours = attention._decode(q, k_cache, v_cache, meta, 0.125, window)
     monkeypatch.setattr(attention, "native_ops", lambda: False)
@@ -50,14 +62,8 @@ def test_decode_attention_reads_a_16_bit_cache_as_sdpa_does_on_its_widened_value
     k_cache = torch.randn(pool, kv_heads, head_dim, generator=gen).to(dtype)
     v_cache = torch.randn(pool, kv_heads, head_dim, generator=gen).to(dtype)
     lengths = torch.tensor([3, 40, 17])
-    slots = torch.zeros(len(lengths), 40, dtype=torch.long)
-    perm = torch.randperm(pool, generator=gen)
-    for i, n in enumerate(lengths.tolist()):
-        slots[i, :n] = perm[i * 40:i * 40 + n]
-    valid = torch.arange(40).unsqueeze(0) < lengths.unsqueeze(1)
-    meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long),
-                             num_decodes=len(lengths), decode_slots=slots,
-                             decode_positions=lengths - 1, decode_valid=valid)
+    slots, valid = scattered_contexts(lengths, pool, gen)
+    meta = decode_meta(slots, valid, lengths)
     q = torch.randn(len(lengths), heads, head_dim, generator=gen)
     ours = attention._decode(q, k_cache, v_cache, meta, 0.125, None)
     assert ours.dtype == torch.float32
@@ -89,17 +95,10 @@ def test_decode_attention_of_long_contexts_in_chunks_on_each_head_size(
         k_cache = torch.randn(pool, kv_heads, head_dim, generator=gen).to(dtype)
         v_cache = torch.randn(pool, kv_heads, head_dim, generator=gen).to(dtype)
         lengths = torch.tensor(lengths)
-        longest = int(lengths.max())
-        perm = torch.randperm(pool, generator=gen)
-        slots = torch.zeros(len(lengths), longest, dtype=torch.long)
-        for i, n in enumerate(lengths.tolist()):
-            slots[i, :n] = perm[i * longest:i * longest + n]
-        valid = torch.arange(longest).unsqueeze(0) < lengths.unsqueeze(1)
+        slots, valid = scattered_contexts(lengths, pool, gen)
         for i, n in enumerate(masked):
             valid[i, :n] = False
-        meta = AttentionMetadata(slot_mapping=torch.zeros(0, dtype=torch.long),
-                                 num_decodes=len(lengths), decode_slots=slots,
-                                 decode_positions=lengths - 1, decode_valid=valid)
+        meta = decode_meta(slots, valid, lengths)
         q = torch.randn(len(lengths), heads, head_dim, generator=gen)
         poisoned = v_cache.clone()  # a masked position's value is never read
         for i, n in enumerate(masked):

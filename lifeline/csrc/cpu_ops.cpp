@@ -118,6 +118,30 @@ inline void exp_inplace(float* x, int64_t n) {
   }
 }
 
+// Each head's n scores of a chunk (scores [group, n]) to exp(score - m) in place, with their
+// maximum m and sum; a chunk whose every position is masked gives m = -inf, sum 0, all 0.
+inline void chunk_softmax(float* scores, int64_t group, int64_t n, float* m, float* sum) {
+  for (int64_t h = 0; h < group; ++h) {
+    float* sc = scores + h * n;
+    float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+    for (int64_t l = 0; l < n; ++l) top = std::max(top, sc[l]);
+    m[h] = top;
+    if (top == -INFINITY) {  // every position of the chunk masked
+      sum[h] = 0.f;
+      std::fill(sc, sc + n, 0.f);
+      continue;
+    }
+#pragma omp simd
+    for (int64_t l = 0; l < n; ++l) sc[l] -= top;
+    exp_inplace(sc, n);
+    float total = 0.f;
+#pragma omp simd reduction(+ : total)
+    for (int64_t l = 0; l < n; ++l) total += sc[l];
+    sum[h] = total;
+  }
+}
+
 // One chunk [l0, l1) of one sequence's context for the `group` query heads sharing KV head g:
 // its scores' maximum per head (m), the sum of exp(score - m) (sum) and the exp-weighted sum of
 // its values (acc [group, hd]); the chunks of a context are merged after (flash decoding).
@@ -137,25 +161,7 @@ void attend_chunk(const float* qg, const T* kp, const T* vp, const int64_t* srow
       scores[h * n + (l - l0)] = dot * s + mrow[l];
     }
   }
-  for (int64_t h = 0; h < group; ++h) {
-    float* sc = scores.data() + h * n;
-    float top = -INFINITY;
-#pragma omp simd reduction(max : top)
-    for (int64_t l = 0; l < n; ++l) top = std::max(top, sc[l]);
-    m[h] = top;
-    if (top == -INFINITY) {  // every position of the chunk masked
-      sum[h] = 0.f;
-      std::fill(sc, sc + n, 0.f);
-      continue;
-    }
-#pragma omp simd
-    for (int64_t l = 0; l < n; ++l) sc[l] -= top;
-    exp_inplace(sc, n);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t l = 0; l < n; ++l) total += sc[l];
-    sum[h] = total;
-  }
+  chunk_softmax(scores.data(), group, n, m, sum);
   std::fill(acc, acc + group * hd, 0.f);
   for (int64_t l = l0; l < l1; ++l) {
     const float* v = nullptr;
@@ -259,25 +265,7 @@ void attend_chunk_vec(const float* qg, const T* kp, const T* vp, const int64_t* 
     }
   }
   for (int64_t l = l0; l < std::min(l1, l0 + PREFETCH_AHEAD); ++l) prefetch_row(row(vp, l), row_bytes);
-  for (int64_t h = 0; h < group; ++h) {
-    float* sc = scores.data() + h * n;
-    float top = -INFINITY;
-#pragma omp simd reduction(max : top)
-    for (int64_t l = 0; l < n; ++l) top = std::max(top, sc[l]);
-    m[h] = top;
-    if (top == -INFINITY) {  // every position of the chunk masked
-      sum[h] = 0.f;
-      std::fill(sc, sc + n, 0.f);
-      continue;
-    }
-#pragma omp simd
-    for (int64_t l = 0; l < n; ++l) sc[l] -= top;
-    exp_inplace(sc, n);
-    float total = 0.f;
-#pragma omp simd reduction(+ : total)
-    for (int64_t l = 0; l < n; ++l) total += sc[l];
-    sum[h] = total;
-  }
+  chunk_softmax(scores.data(), group, n, m, sum);
   std::fill(acc, acc + group * hd, 0.f);
   for (int64_t l = l0; l < l1; ++l) {
     if (l + PREFETCH_AHEAD < l1) prefetch_row(row(vp, l + PREFETCH_AHEAD), row_bytes);
