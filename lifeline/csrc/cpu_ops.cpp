@@ -291,13 +291,16 @@ void attend(const float* qg, const T* kp, const T* vp, const int64_t* srow, cons
             int64_t l0, int64_t l1, int64_t KVH, int64_t g, int64_t group, int64_t hd, float s,
             float* m, float* sum, float* acc) {
 #ifdef LIFELINE_VEC_ATTENTION
-  switch (hd) {
-    case 4 * Vec::W:
-      return attend_chunk_vec<T, 4>(qg, kp, vp, srow, mrow, l0, l1, KVH, g, group, s, m, sum, acc);
-    case 8 * Vec::W:
-      return attend_chunk_vec<T, 8>(qg, kp, vp, srow, mrow, l0, l1, KVH, g, group, s, m, sum, acc);
-    case 16 * Vec::W:
-      return attend_chunk_vec<T, 16>(qg, kp, vp, srow, mrow, l0, l1, KVH, g, group, s, m, sum, acc);
+  switch (hd) {  // vectors a row: 4, 8, 16 with AVX-512; 8, 16, 32 with AVX2
+    case 64:
+      return attend_chunk_vec<T, 64 / Vec::W>(qg, kp, vp, srow, mrow, l0, l1, KVH, g, group, s,
+                                              m, sum, acc);
+    case 128:
+      return attend_chunk_vec<T, 128 / Vec::W>(qg, kp, vp, srow, mrow, l0, l1, KVH, g, group, s,
+                                               m, sum, acc);
+    case 256:
+      return attend_chunk_vec<T, 256 / Vec::W>(qg, kp, vp, srow, mrow, l0, l1, KVH, g, group, s,
+                                               m, sum, acc);
   }
 #endif
   attend_chunk(qg, kp, vp, srow, mrow, l0, l1, KVH, g, group, hd, s, m, sum, acc);
