@@ -222,7 +222,12 @@ def test_repacked_shapes_are_checked():
 def test_the_gemm_road_starts_where_this_cpu_decodes_faster_than_it_dots():
     """From 8 rows in bfloat16 with AMX; elsewhere from 32 (bfloat16 where the CPU has it):
     without AMX the block kernels win at 16 rows (a 16-user decode step)."""
-    from lifeline.model.gguf_rows import GEMM_MIN_ROWS, GEMM_MIN_ROWS_AMX, configure_gemm, native_bf16
+    from lifeline.model.gguf_rows import (
+        GEMM_MIN_ROWS,
+        GEMM_MIN_ROWS_AMX,
+        configure_gemm,
+        native_bf16,
+    )
 
     try:
         rows, bf16 = configure_gemm()

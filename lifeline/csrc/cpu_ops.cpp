@@ -356,7 +356,7 @@ void decode_attention_impl(const float* qp, const T* kp, const T* vp, const int6
       for (int64_t c = 0; c < chunks; ++c) {
         const int64_t u = item * chunks + c;
         if (m[u * group + h] == -INFINITY) continue;
-        const float w = chunks == 1 ? 1.f : std::exp(m[u * group + h] - top);
+        const float w = std::exp(m[u * group + h] - top);  // 1 for the top chunk
         total += w * sum[u * group + h];
         const float* a = acc.data() + (u * group + h) * hd;
 #pragma omp simd
@@ -390,8 +390,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
   auto mc = mask.contiguous();
   auto out = at::empty_like(qc);
   const float s = static_cast<float>(scale);
-  // The caller sends only small batches here (attention.NATIVE_DECODE_MAX): larger ones go to
-  // PyTorch's SDPA, which parallelizes over sequences and heads.
+  // Batches up to attention.NATIVE_DECODE_MAX come here; larger ones go to PyTorch's SDPA.
   const float* qp = qc.data_ptr<float>();
   const int64_t* sp = sc.data_ptr<int64_t>();
   const float* mp = mc.data_ptr<float>();

@@ -129,13 +129,16 @@ class GGUFLinear(nn.Module):
 
 GEMM_MIN_ROWS_AMX = 8
 """Rows from which a GGUF product decodes its weight for PyTorch's bfloat16 GEMM on a CPU with
-AMX: measured on Sapphire Rapids (docs/performance.md), at 16 rows the GEMM road takes 0.6x the
-dot kernels' time, at 512 rows 0.07x."""
+AMX (measured on Sapphire Rapids, docs/performance.md)."""
 GEMM_MIN_ROWS = 32
-"""The same on any other CPU (bfloat16 where it has AVX512-BF16, float32 where not): without
-AMX the decoded GEMM is slower, and on an AVX-512 AMD EPYC (docs/performance.md) the kernels
-reading the blocks beat it up to 32 rows on Gemma 3 (its dot kernels) and 64 on SmolLM2 (eight
-rows interleaved): SmolLM2's 120 products at 16 rows 19.0 ms against 56.7 decoded."""
+"""The same on any other CPU (bfloat16 where it has AVX512-BF16, float32 where not), whose
+decoded GEMM is slower: the kernels reading the blocks win up to here (measured on an AVX-512
+AMD EPYC, docs/performance.md)."""
+
+
+def amx() -> bool:
+    """Whether this CPU has AMX tiles (oneDNN's int8 and bfloat16 GEMMs run on them)."""
+    return torch.cpu._is_amx_tile_supported()
 
 
 def native_bf16() -> bool:
@@ -159,8 +162,7 @@ def configure_gemm(min_rows: int | None = None, bf16: bool | None = None) -> tup
     if bf16 is None:
         bf16 = native_bf16()
     if min_rows is None:
-        min_rows = GEMM_MIN_ROWS_AMX if bf16 and torch.cpu._is_amx_tile_supported() else \
-            GEMM_MIN_ROWS
+        min_rows = GEMM_MIN_ROWS_AMX if bf16 and amx() else GEMM_MIN_ROWS
     torch.ops.lifeline_gguf.gguf_set_gemm(min_rows, bf16)
     return min_rows, bf16
 

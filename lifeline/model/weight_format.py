@@ -23,10 +23,7 @@ row's own: same precision, a tenth of the kernels, but not bit for bit the batch
 Batches of rows go through oneDNN's int8 GEMM instead where this PyTorch has it and it does not
 saturate (`onednn_int8`): the same per-row scales, quantized by us to u8 around 128, and faster
 from a few rows up (docs/performance.md). The head keeps one copy (`one_copy`): a second copy of
-262,144 rows costs more memory than it saves time. Which one by the CPU (`head_onednn`):
-oneDNN's where its int8 GEMM runs on AMX tiles (Sapphire Rapids: its lone-row GEMV within 8% of
-fbgemm's), fbgemm's elsewhere (an AVX-512 AMD EPYC: Gemma 3's head for one row 4.6 ms against
-oneDNN's 7.0, from memory; equal at 16 rows).
+262,144 rows costs more memory than it saves time; which one is the CPU's (`head_onednn`).
 `int8-all` stacks the projections that share an input (the family's `fused` projections, lifeline.model.registry: q/k/v, gate/up) into one GEMM each
 (`FusedProjections`) and drops their float32 copies. It also rotates every projection's input
 by a block Hadamard matrix before quantizing it (`Int8Linear(rotate=)`; for o_proj the rotation
@@ -49,7 +46,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from lifeline.model.gguf_rows import GGUFLinear, StoredEmbedding, StoredTensor, configure_gemm
+from lifeline.model.gguf_rows import (
+    GGUFLinear,
+    StoredEmbedding,
+    StoredTensor,
+    amx,
+    configure_gemm,
+)
 from lifeline.model.layers.linear import FusedProjections
 from lifeline.model.registry import family_of
 
@@ -363,11 +366,10 @@ def onednn_int8() -> bool:
 
 @cache
 def head_onednn() -> bool:
-    """Whether a one-copy int8 layer (the head) keeps oneDNN's copy rather than fbgemm's:
-    where oneDNN's int8 GEMM exists and runs on AMX tiles, whose lone-row GEMV is within 8% of
-    fbgemm's; without AMX fbgemm's is ~1.5x faster for one row and equal at 16
-    (docs/performance.md)."""
-    return onednn_int8() and torch.cpu._is_amx_tile_supported()
+    """Whether a one-copy int8 layer (the head) keeps oneDNN's copy rather than fbgemm's: where
+    oneDNN's int8 GEMM exists and runs on AMX tiles; without AMX fbgemm's lone-row GEMV is the
+    faster one and batches are even (docs/performance.md)."""
+    return onednn_int8() and amx()
 
 
 @cache

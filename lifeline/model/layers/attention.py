@@ -23,9 +23,9 @@ from lifeline.model.native import native_ops
 
 NATIVE_DECODE_MAX = 256
 """Decode batches up to this size take `lifeline_ext::decode_attention` (C++, straight from the
-paged cache, on every thread) where it is built: 2-3x faster than gathering the contexts for
-PyTorch's flash kernel at 8 to 32 sequences of 192 to 600 positions (docs/performance.md);
-larger ones take that path, whose gathered copies the batch's size would make large."""
+paged cache, on every thread) where it is built, faster than gathering the contexts for
+PyTorch's flash kernel at every batch measured (docs/performance.md); larger ones take that
+path."""
 
 
 @dataclass(slots=True)
