@@ -14,7 +14,7 @@ import pytest
 from lifeline.bench.anchor import PROBE_TOKENS, PROBES
 from lifeline.bench.run import BenchSettings, run_bench
 from lifeline.bench.step_index import WINDOW_MARGIN_S
-from tests.test_diagnosis import (TIMING_TOLERANCE, _ranked_as_the_clock_ranks,
+from tests.test_diagnosis import (TIMING_TOLERANCE, clock_ranks_first,
                                   warmed_contexts_server)
 
 pytestmark = pytest.mark.alone
@@ -54,8 +54,19 @@ def test_long_prompts_only_still_size_the_kv_context_against_short_prompts_tpot(
     kv = next(f for f in findings if f["cause"] == "kv_context")
     base = (before + after) / 2
     extra = r["summary"]["tpot_ms"]["mean"] - base
-    assert abs(kv["ms"] - extra) <= TIMING_TOLERANCE * extra, (kv["ms"], extra, findings)
-    _ranked_as_the_clock_ranks(r, "kv_context", extra, base)
+    # The no-context TPOT is measured three times around the run (short runs before and after,
+    # the run's own probes just after it); half their spread is how uncertain the base is (CI's
+    # machine once had its probes' TPOT 37% over the short runs' and failed the plain 20%).
+    bases = (before, after, r["anchor"]["tpot_ms"])
+    slack = (max(bases) - min(bases)) / 2
+    assert abs(kv["ms"] - extra) <= TIMING_TOLERANCE * extra + slack, (kv["ms"], extra, bases,
+                                                                       findings)
+    # ranked as the clock ranks them against either end of the base's range (where the two
+    # ends rank them differently, the clock cannot tell which comes first)
+    tpot = r["summary"]["tpot_ms"]["mean"]
+    allowed = (clock_ranks_first("kv_context", tpot - min(bases), min(bases))
+               | clock_ranks_first("kv_context", tpot - max(bases), max(bases)))
+    assert findings[0]["cause"] in allowed, (tpot, bases, findings)
 
     anchor = r["anchor"]
     assert anchor["context_min"] == prompt and anchor["context_max"] == prompt + 47
