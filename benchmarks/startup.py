@@ -56,7 +56,7 @@ def _rss_mib(pid: int) -> float:
 def _compiling(body: dict[str, Any]) -> bool:
     forward = body.get("forward")
     states = forward.values() if isinstance(forward, dict) else [forward]
-    return "compiling" in states
+    return "compiling" in states or "loading" in states
 
 
 def _decode_tok_s(port: int) -> float:

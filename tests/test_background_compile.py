@@ -3,7 +3,8 @@
 tokenizer and a compile cache of its own, is ready before its forward has compiled, answers
 while a child process compiles, switches to the compiled graphs under traffic with the same
 greedy answers, never compiles in its own process, and leaves no child behind; a second start
-on the same cache loads the graphs before `/ready`."""
+on the same cache is ready before its graphs load, loads them in a thread (no child, no compile)
+and answers the same."""
 import os
 import subprocess
 import sys
@@ -113,8 +114,16 @@ def test_ready_before_compiled_then_compiled_under_traffic(model_dir, tmp_path):
         server.stop()
     again = Serve(model_dir, cache, tmp_path / "second.log")
     try:
-        assert again.ready()["forward"] == "compiled"  # loaded before /ready, no child
+        # ready as soon as the weights are; the cached graphs load after /ready, no child
+        assert again.ready()["forward"] in ("loading", "compiled")
         assert not again.children()
+        answers = []
+        while (state := httpx.get(again.url + "/ready").json()["forward"]) == "loading":
+            answers.append([again.complete(p) for p in PROMPTS])  # served eagerly meanwhile
+        assert state == "compiled", again.log.read_text()[-3000:]
+        assert all(a == eager for a in answers)
         assert [again.complete(p) for p in PROMPTS] == eager
+        assert again.metric("lifeline:compiles_after_ready_total") == 0
+        assert not again.children()
     finally:
         again.stop()

@@ -7,7 +7,10 @@ A first start on a machine finds no compiled graphs in the on-disk cache
 process (`python -m lifeline.engine.background_compile SPEC`) loads the same model with the
 same weight format and thread count, compiles its two graphs and saves them under the same key.
 When it exits, a thread here loads them (a second or two) and the engine's next step runs
-compiled. The child's work is the same a foreground compile would do, so for that minute the
+compiled. A later start finds the graphs in the cache and only loads them, in that thread,
+also after `/ready` (state `loading`): loading needs Dynamo and Inductor imported, ~3 s of a
+~10 s start on a 2-core machine (docs/performance.md); if they do not load, a child compiles
+them again. The child's work is the same a foreground compile would do, so for that minute the
 two share the CPU: requests are served, eagerly and slower (docs/performance.md measures it).
 Nothing in this process compiles: `lifeline:compiles_after_ready_total` stays at zero.
 
@@ -33,9 +36,9 @@ from typing import Any
 
 log = logging.getLogger("lifeline.engine")
 
-STATES = ("eager", "compiling", "compiled", "failed")
-"""How the forward runs: eager (not asked to compile, or the model cannot), eager while a child
-compiles, compiled, eager after the child failed."""
+STATES = ("eager", "loading", "compiling", "compiled", "failed")
+"""How the forward runs: eager (not asked to compile, or the model cannot), eager while the
+cached graphs load, eager while a child compiles, compiled, eager after the child failed."""
 
 
 def _child_setup() -> None:  # runs in the child between fork and exec
@@ -49,29 +52,54 @@ def _child_setup() -> None:  # runs in the child between fork and exec
 
 
 class BackgroundCompile:
-    """The child compiling `forward`'s graphs (a `CachedForward` not yet in use) for the model
-    at `source` in `weights`; once they load, `executor` runs them."""
+    """`forward`'s graphs (a `CachedForward` not yet in use) loaded from the cache where it
+    has them, else compiled by a child for the model at `source` in `weights`; once they load,
+    `executor` runs them."""
 
     def __init__(self, executor: Any, forward: Any, source: str, weights: str | None):
         self.executor, self.forward = executor, forward
-        self.state = "compiling"
+        self.state = "loading" if forward.cached() else "compiling"
         self.started = time.perf_counter()
         self.seconds: float | None = None
-        """From the child's start to the graphs in use (or the failure)."""
-        spec = {"source": source, "weights": weights, "threads": _threads(),
-                "key": forward.directory.name}
-        env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}  # one compiler at a time
-        self._proc = subprocess.Popen(
-            [sys.executable, "-m", "lifeline.engine.background_compile", json.dumps(spec)],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-            preexec_fn=_child_setup if os.name == "posix" else None)
-        log.info("serving eagerly while a child process (pid %d) compiles the forward into %s",
-                 self._proc.pid, forward.directory)
-        self._thread = threading.Thread(target=self._wait, name="lifeline-background-compile",
+        """From the start (of the load, else the child) to the graphs in use (or the
+        failure)."""
+        self._spec = {"source": source, "weights": weights, "threads": _threads(),
+                      "key": forward.directory.name}
+        self._proc: subprocess.Popen[str] | None = None
+        self._closed = False
+        self._lock = threading.Lock()
+        if self.state == "compiling":
+            self._start_child()
+        else:
+            log.info("serving eagerly while the compiled forward loads from %s",
+                     forward.directory)
+        self._thread = threading.Thread(target=self._run, name="lifeline-background-compile",
                                         daemon=True)
         self._thread.start()
 
-    def _wait(self) -> None:
+    def _start_child(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            env = {**os.environ, "TORCHINDUCTOR_COMPILE_THREADS": "1"}  # one compiler at a time
+            self._proc = subprocess.Popen(
+                [sys.executable, "-m", "lifeline.engine.background_compile",
+                 json.dumps(self._spec)],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                preexec_fn=_child_setup if os.name == "posix" else None)
+            log.info("serving eagerly while a child process (pid %d) compiles the forward "
+                     "into %s", self._proc.pid, self.forward.directory)
+
+    def _run(self) -> None:
+        if self.state == "loading":
+            if self._use():
+                return
+            log.warning("the cached compiled forward in %s did not load; compiling it again "
+                        "in a child process", self.forward.directory)
+            self.state = "compiling"
+            self._start_child()
+        if self._proc is None:  # closed first
+            return self._fail("stopped before the child started")
         out, err = self._proc.communicate()
         if self._proc.returncode != 0:
             return self._fail(f"the compiling child exited with status {self._proc.returncode}"
@@ -83,14 +111,22 @@ class BackgroundCompile:
         if report.get("key") != self.forward.directory.name:
             return self._fail(f"the child compiled another key ({report.get('key')}, not "
                               f"{self.forward.directory.name}): its model differs from ours")
-        if not self.forward.preload():
+        if not self._use():
             return self._fail("the child's graphs did not load")
+
+    def _use(self) -> bool:
+        """Load the graphs and run them from the engine's next step; False where they do not
+        load."""
+        if not self.forward.preload():
+            return False
         self.executor.runner.forward = self.forward  # the next step runs compiled
         self.executor.compiled = True
+        how = "compiled" if self.state == "compiling" else "loaded"
         self.state = "compiled"
         self.seconds = time.perf_counter() - self.started
-        log.info("the forward runs compiled from now on (compiled in the background in %.1f s)",
-                 self.seconds)
+        log.info("the forward runs compiled from now on (%s in the background in %.1f s)",
+                 how, self.seconds)
+        return True
 
     def _fail(self, why: str) -> None:
         self.state = "failed"
@@ -103,8 +139,10 @@ class BackgroundCompile:
         return self.state
 
     def close(self) -> None:
-        """Stop the child if it still runs."""
-        if self._proc.poll() is None:
+        """Stop the child if it still runs (and any that a failed load would start)."""
+        with self._lock:
+            self._closed = True
+        if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
             try:
                 self._proc.wait(10)

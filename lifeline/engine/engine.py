@@ -240,7 +240,8 @@ class LLMEngine:
         with self.startup.phase("compile_warmup"):
             self.warmup()
         self.background_compile: BackgroundCompile | None = None
-        """The child process compiling the forward while this engine serves eagerly."""
+        """The compiled forward loading, or a child process compiling it, while this engine
+        serves eagerly."""
         pending = getattr(self.executor, "pending_compile", None)
         if pending is not None:
             self.background_compile = BackgroundCompile(self.executor, pending,
@@ -254,8 +255,9 @@ class LLMEngine:
 
     @property
     def compile_state(self) -> str:
-        """How the forward runs: 'compiled', 'eager', 'compiling' (eager while a child
-        compiles) or 'failed' (eager: the background compile failed)."""
+        """How the forward runs: 'compiled', 'eager', 'loading' (eager while the cached graphs
+        load), 'compiling' (eager while a child compiles) or 'failed' (eager: the background
+        compile failed)."""
         if self.background_compile is not None:
             return self.background_compile.state
         return "compiled" if self.compiled else "eager"

@@ -65,11 +65,11 @@ class ModelExecutor:
         self.compiled = config.compile and self.runner.compile()
         """Whether the forward runs compiled (config.compile, where the model supports it)."""
         self.pending_compile: CachedForward | None = None
-        """The compiled forward a background compile will fill (config.compile_in_background
-        and no graphs in the cache yet): until then the forward runs eagerly."""
+        """The compiled forward a background compile will fill or load
+        (config.compile_in_background): until then the forward runs eagerly."""
         if self.compiled and config.compile_in_background:
             forward = self.runner.forward
-            if hasattr(forward, "cached") and not forward.cached():  # a CachedForward
+            if hasattr(forward, "cached"):  # a CachedForward
                 self.runner.forward, self.compiled = self.runner.model, False
                 self.pending_compile = forward
         self.moe_stats = getattr(model, "moe_stats", None)

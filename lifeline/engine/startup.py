@@ -23,6 +23,7 @@ included), from the first call on; a server records the count at `/ready`, and
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -85,8 +86,11 @@ def note_compile() -> None:
 
 
 def compiles() -> int:
-    """Dynamo compiles in this process since `count_compiles` was first called."""
-    count_compiles()
+    """Dynamo compiles in this process since `count_compiles` was first called. Where Dynamo
+    was never imported nothing has compiled, and it is not imported here (seconds of a start):
+    whatever compiles or loads graphs calls `count_compiles` first (lifeline.model.compiled)."""
+    if "torch._dynamo" in sys.modules:
+        count_compiles()
     with _lock:
         return _compiles
 
@@ -97,10 +101,10 @@ def process_started() -> float | None:
         with open("/proc/self/stat") as f:
             fields = f.read().rpartition(")")[2].split()
         ticks = int(fields[19])  # starttime: field 22 of the whole line, 20 after the name
-        with open("/proc/stat") as f:
-            boot = next(int(line.split()[1]) for line in f if line.startswith("btime"))
-        return boot + ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        with open("/proc/uptime") as f:  # not /proc/stat's btime: whole seconds, up to 1 s off
+            uptime = float(f.read().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
         return None
 
 

@@ -64,19 +64,29 @@ from lifeline.model.registry import family_of
 log = logging.getLogger(__name__)
 
 
+def _before_dynamo() -> None:
+    """What the first compile or load of a graph in this process needs first: its compiles
+    counted (lifeline.engine.startup) and oneDNN's int8 GEMM left as it is."""
+    from lifeline.engine.startup import count_compiles
+
+    count_compiles()
+    _onednn_int8_as_is()
+
+
+@functools.cache
 def _onednn_int8_as_is() -> None:
     """Have Inductor call oneDNN's int8 GEMM as it is (a fallback kernel) instead of lowering
     it: its lowering expects the packed weights as constants of a frozen graph
-    (`freezing=True`, which our lifted module attributes are not)."""
+    (`freezing=True`, which our lifted module attributes are not). Called before the first
+    compile or load, not at import: Inductor's lowerings take seconds to import, which a
+    server that serves eagerly until its graphs load need not spend before `/ready`."""
+    if not hasattr(torch.ops.onednn, "qlinear_pointwise"):
+        return
     from torch._inductor import lowering, mkldnn_lowerings  # noqa: F401 (registers the lowering)
 
     op = torch.ops.onednn.qlinear_pointwise.default
     lowering.lowerings.pop(op, None)
     lowering.make_fallback(op, warn=False)
-
-
-if hasattr(torch.ops.onednn, "qlinear_pointwise"):
-    _onednn_int8_as_is()
 
 _LIB = torch.library.Library("lifeline", "FRAGMENT")
 _LIB.define("int8_linear(Tensor x, Tensor handle, int out_features) -> Tensor")
@@ -176,6 +186,7 @@ trace and the operators are ours and PyTorch's, so the checks are left out."""
 def _in_process(traced: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
                 ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """`torch.compile` as it comes: Dynamo traces each shape class at its first call."""
+    _before_dynamo()
     compiled = torch.compile(traced, dynamic=None, options={
         "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe, **WRAPPER_OPTIONS})
 
@@ -305,6 +316,7 @@ class CachedForward:
     def _load(self, path: Path) -> Any:
         if not path.exists():
             return None
+        _before_dynamo()
         start = time.perf_counter()
         try:
             with path.open("rb") as f:
@@ -322,6 +334,7 @@ class CachedForward:
                  path: Path) -> Any:
         from lifeline.engine.startup import note_compile
 
+        _before_dynamo()
         start = time.perf_counter()
         if many:
             torch._dynamo.mark_dynamic(input_ids, 0)

@@ -6,7 +6,7 @@ from torch import nn
 
 from lifeline.model.config import ModelConfig
 from lifeline.model.layers.attention import PagedAttention
-from lifeline.model.layers.linear import GatedMLP, linear, project
+from lifeline.model.layers.linear import GatedMLP, embedding, linear, project
 from lifeline.model.layers.norm import RMSNorm
 from lifeline.model.layers.rotary import RotaryEmbedding
 from lifeline.model.registry import QKV
@@ -66,7 +66,7 @@ class Gemma3ForCausalLM(nn.Module):
         self.rotary_global = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta,
                                              cfg.rope_scaling)
         self.rotary_local = RotaryEmbedding(cfg.head_dim, cfg.max_position, local_theta)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(cfg, i, self.rotary_local if t == "sliding" else self.rotary_global)
             for i, t in enumerate(cfg.layer_types))

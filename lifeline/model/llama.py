@@ -6,7 +6,7 @@ from torch import nn
 
 from lifeline.model.config import ModelConfig
 from lifeline.model.layers.attention import PagedAttention
-from lifeline.model.layers.linear import GatedMLP, linear, project
+from lifeline.model.layers.linear import GatedMLP, embedding, linear, project
 from lifeline.model.layers.norm import RMSNorm
 from lifeline.model.layers.rotary import RotaryEmbedding
 from lifeline.model.registry import QKV
@@ -61,7 +61,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position, cfg.rope_theta,
                                       cfg.rope_scaling)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, device="meta")
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(cfg, i, self.rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

@@ -38,8 +38,11 @@ positions and parts from llama.cpp's greedy text at a clear preference on one fi
 """
 from __future__ import annotations
 
+import functools
+import os
 import warnings
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from functools import cache
 
 import torch
@@ -405,18 +408,24 @@ def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
     head = model.lm_head
     if fmt == "bf16":
         model.lm_head = BF16Linear(head)
-    elif fmt in ("int8", "int8-all"):
+    tasks: list[Callable[[], None]] = []
+    if fmt in ("int8", "int8-all"):
         if head.weight.device.type != "cpu":
             raise ValueError("int8 weights run on the CPU only (fbgemm)")
-        rotate = rotation_block(head.in_features) if fmt == "int8-all" else 0
+        head_rotate = rotation_block(head.in_features) if fmt == "int8-all" else 0
         stored = _stored(model, head)
-        model.lm_head = Int8Linear(head, rotate=rotate, stored=stored.get("lm_head.weight"),
-                                   one_copy=True)
         if "embed_tokens.weight" in stored:
             model.embed_tokens = StoredEmbedding(stored["embed_tokens.weight"])
+
+        def quantize_head() -> None:
+            model.lm_head = Int8Linear(head, rotate=head_rotate,
+                                       stored=stored.get("lm_head.weight"), one_copy=True)
+
+        tasks.append(quantize_head)
     if fmt == "int8-all":
         fusable = family_of(model).fused
-        for layer in model.layers:
+
+        def quantize(layer: nn.Module) -> None:
             for parent in layer.children():
                 folded = _fold_value_rotation(parent)
                 for fused, names in fusable:
@@ -425,11 +434,29 @@ def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
                     if type(child) is nn.Linear:
                         rotate = 0 if name in folded else rotation_block(child.in_features)
                         setattr(parent, name, Int8Linear(child, rescore_top=0, rotate=rotate))
+
+        tasks += [functools.partial(quantize, layer) for layer in model.layers]
     elif fmt == "gguf":
         _as_stored(model)
+    _run_all(tasks)
     if fmt != "fp32":
         model.applied_weight_format = fmt
     return model
+
+
+def _run_all(tasks: list[Callable[[], None]]) -> None:
+    """Run `tasks` (the head's and each layer's conversion) on as many threads as PyTorch's
+    intra-op pool has: quantizing and packing are PyTorch operators that release the GIL,
+    mostly too small to split over threads themselves (10-15% of a server's weight format
+    phase on 2 cores)."""
+    workers = max(1, min(torch.get_num_threads(), os.cpu_count() or 1, len(tasks)))
+    if workers == 1:
+        for task in tasks:
+            task()
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="lifeline-weights") as pool:
+        for done in [pool.submit(task) for task in tasks]:
+            done.result()
 
 
 def _as_stored(model: nn.Module) -> None:

@@ -156,7 +156,8 @@ def readiness(load_error: str | None, draining: bool, waiting: dict[str, Any] | 
 
 def forward_state(state: Any) -> str | None:
     """How a server's engine runs its forward (`LLMEngine.compile_state`: compiled, eager, or
-    eager while a child compiles); None before the engine is built or where it is remote."""
+    eager while its graphs load or a child compiles them); None before the engine is built or
+    where it is remote."""
     engine = getattr(getattr(state, "client", None), "engine", None)
     return getattr(engine, "compile_state", None)
 

@@ -19,6 +19,14 @@ def linear(in_features: int, out_features: int, bias: bool = False) -> nn.Linear
     return layer
 
 
+def embedding(num_embeddings: int, embedding_dim: int) -> nn.Embedding:
+    """On the meta device until loaded, like `linear`, and without drawing its initial values:
+    `normal_` on a meta tensor is a Python decomposition whose first call imports Dynamo
+    (seconds of a server's start, before any weight is read)."""
+    return nn.Embedding(num_embeddings, embedding_dim,
+                        _weight=torch.empty(num_embeddings, embedding_dim, device="meta"))
+
+
 class FusedProjections(nn.Module):
     """Projections of the same input run as one GEMM over their stacked weights (q/k/v,
     gate/up): one call instead of several, for weight formats whose calls cost more than their
