@@ -44,6 +44,7 @@ import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -109,18 +110,33 @@ class Int8Linear(nn.Module):
         self.stored = stored if rescore_top else None
         self.bias = linear.bias
         self.rotation = hadamard(rotate) if rotate else None
-        values, scales, row_sums = _quantize_rows(linear.weight.detach(), self.rotation)
-        self.register_buffer("row_sums", row_sums.unsqueeze(0))
         self.onednn = onednn_int8() and (not one_copy or head_onednn())
-        self.packed = None if one_copy and self.onednn else \
-            torch.ops.quantized.linear_prepack(_per_channel(values, scales), None)
+        self.packed_parts: list[Any] | None = None
+        """fbgemm's packed weights in row ranges (each packed on a thread of its own: fbgemm
+        packs on one, 3 s for Gemma 3's head), where there are several; else `packed`."""
+        weight = linear.weight.detach()
+        if self.onednn or len(parts := _row_parts(weight.shape[0])) == 1:
+            values, scales, row_sums = _quantize_rows(weight, self.rotation)
+            self.packed = None if one_copy and self.onednn else \
+                torch.ops.quantized.linear_prepack(_per_channel(values, scales), None)
+        else:  # fbgemm's copy only: quantized and packed part by part, the parts at once
+            def pack(rows: slice) -> tuple[Any, torch.Tensor]:
+                part_values, part_scales, part_sums = _quantize_rows(weight[rows], self.rotation)
+                return (torch.ops.quantized.linear_prepack(
+                    _per_channel(part_values, part_scales), None), part_sums)
+
+            with ThreadPoolExecutor(len(parts), thread_name_prefix="lifeline-pack") as pool:
+                packed = list(pool.map(pack, parts))
+            self.packed, self.packed_parts = None, [p for p, _ in packed]
+            row_sums = torch.cat([sums for _, sums in packed])
+        self.register_buffer("row_sums", row_sums.unsqueeze(0))
         self.reduce_range = fbgemm_saturates()
         if self.onednn:  # a second copy of the weights, in oneDNN's layout, for batches
             self.onednn_packed = torch.ops.onednn.qlinear_prepack(values, None)
             self.register_buffer("weight_scales", scales.float())
             self.register_buffer("weight_zeros", torch.zeros(len(scales), dtype=torch.long))
-        self.rescore_top = min(rescore_top, values.shape[0])
-        self.out_features, self.in_features = values.shape
+        self.rescore_top = min(rescore_top, weight.shape[0])
+        self.out_features, self.in_features = weight.shape
         self.register_buffer("compile_handle", None, persistent=False)
         """Set by `lifeline.model.compiled.compile_forward`: compiled code calls fbgemm's GEMM
         with this layer's packed weights through an operator by this handle (Dynamo cannot
@@ -152,19 +168,28 @@ class Int8Linear(nn.Module):
         if self.rotation is not None:
             x = rotate_columns(x, self.rotation)
         if x.shape[0] == 1:  # one row: fbgemm's own per-call scale is already per row
-            return torch.ops.quantized.linear_dynamic(x, self.packed, self.reduce_range)
+            return self._fbgemm(x)
         if self.rotation is not None:
             # Rotated rows are near-symmetric around 0: scale each by its largest magnitude
             # alone (no offset term, half the passes over x and y).
             amax = torch.maximum(x.amax(-1, keepdim=True), x.amin(-1, keepdim=True).neg_())
             amax = amax.clamp_min_(1e-12)
-            y = torch.ops.quantized.linear_dynamic(x / amax, self.packed, self.reduce_range)
+            y = self._fbgemm(x / amax)
             return y.mul_(amax)
         # amin + amax, not aminmax: the same values, far faster on the CPU in torch 2.13
         lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
         mid, half = (hi + lo) / 2, ((hi - lo) / 2).clamp_min(1e-12)
-        y = torch.ops.quantized.linear_dynamic((x - mid).div_(half), self.packed, self.reduce_range)
+        y = self._fbgemm((x - mid).div_(half))
         return y.mul_(half).addmm_(mid, self.row_sums)  # in place: the head's rows are 1 MiB
+
+    def _fbgemm(self, x: torch.Tensor) -> torch.Tensor:
+        """fbgemm's GEMM of float32 rows `x` (quantized per call) with the packed weights, part
+        by part where they are in parts (each part's columns are what the whole would give:
+        the same input scale, the same rows)."""
+        if self.packed_parts is None:
+            return torch.ops.quantized.linear_dynamic(x, self.packed, self.reduce_range)
+        return torch.cat([torch.ops.quantized.linear_dynamic(x, part, self.reduce_range)
+                          for part in self.packed_parts], dim=1)
 
     def onednn_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`int8_matmul` through oneDNN's u8 x s8 GEMM, which takes plain tensors: the compiler
@@ -301,6 +326,21 @@ def shortlist_argmax(approx: torch.Tensor, ids: torch.Tensor, exact: torch.Tenso
     best = exact.amax(-1, keepdim=True)
     token = torch.where(exact == best, ids, vocab).amin(-1)
     return torch.where(best.squeeze(-1) > approx.amin(-1), token, -1)
+
+
+PACK_PART_ROWS = 65536
+"""A layer of more rows than this (a large vocabulary's head) is quantized and packed for
+fbgemm in parts, one a thread (`_row_parts`)."""
+
+
+def _row_parts(rows: int) -> list[slice]:
+    """Row ranges to pack on threads of their own: one a thread of PyTorch's intra-op pool
+    where `rows` exceeds `PACK_PART_ROWS`, else the whole."""
+    parts = min(torch.get_num_threads(), os.cpu_count() or 1)
+    if rows <= PACK_PART_ROWS or parts < 2:
+        return [slice(0, rows)]
+    step = -(-rows // parts)
+    return [slice(start, min(rows, start + step)) for start in range(0, rows, step)]
 
 
 QUANTIZE_CHUNK_ROWS = 8192
