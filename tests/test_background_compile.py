@@ -4,7 +4,9 @@ tokenizer and a compile cache of its own, is ready before its forward has compil
 while a child process compiles, switches to the compiled graphs under traffic with the same
 greedy answers, never compiles in its own process, and leaves no child behind; a second start
 on the same cache is ready before its graphs load, loads them in a thread (no child, no compile)
-and answers the same."""
+and answers the same; `lifeline bench` notes a forward still compiling and waits for one
+loading."""
+import asyncio
 import os
 import subprocess
 import sys
@@ -15,6 +17,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from lifeline.bench.client import BenchClient
+from lifeline.bench.run import settle_forward
 from lifeline.server.testing import free_port
 from tests.word_models import tiny_gemma3
 
@@ -87,6 +91,8 @@ def test_ready_before_compiled_then_compiled_under_traffic(model_dir, tmp_path):
         body = server.ready()
         assert body["forward"] == "compiling", body
         assert server.children(), "no child process compiles"
+        note = asyncio.run(_settle(server.url))  # a bench run now measures the eager forward
+        assert note is not None and "compiling" in note, note
         eager = [server.complete(p) for p in PROMPTS]
         answers: list[list[str]] = []
         errors: list[BaseException] = []
@@ -127,3 +133,15 @@ def test_ready_before_compiled_then_compiled_under_traffic(model_dir, tmp_path):
         assert not again.children()
     finally:
         again.stop()
+    third = Serve(model_dir, cache, tmp_path / "third.log")
+    try:
+        assert third.ready()["forward"] in ("loading", "compiled")
+        assert asyncio.run(_settle(third.url)) is None  # a bench waits for the graphs
+        assert httpx.get(third.url + "/ready").json()["forward"] == "compiled"
+    finally:
+        third.stop()
+
+
+async def _settle(url: str) -> str | None:
+    async with BenchClient(url + "/v1", "x") as client:
+        return await settle_forward(client)

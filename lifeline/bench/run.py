@@ -2,6 +2,7 @@
 results whose schema docs/bench.md documents."""
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
@@ -127,6 +128,34 @@ async def resolve_model(client: BenchClient) -> str:
     return r.json()["data"][0]["id"]
 
 
+SETTLE_S = 120.0
+"""How long the bench waits for a Lifeline server's cached compiled graphs to load."""
+
+
+async def settle_forward(client: BenchClient, wait_s: float = SETTLE_S) -> str | None:
+    """Wait while a Lifeline server loads its cached compiled graphs (`/ready`'s `forward`
+    says `loading` for a few seconds after a start): measured then, the first requests would
+    run eagerly. Returns a note where the forward is still not compiled (a first start's
+    background compile takes minutes: the run measures the eager forward); None otherwise, and
+    for servers without such a `/ready`."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            r = await client.http.get(client.server_root + "/ready")
+            forward = r.json().get("forward") if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError, AttributeError):
+            return None
+        states = set(forward.values()) if isinstance(forward, dict) else {forward}
+        if "loading" not in states or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.25)
+    slow = sorted(states & {"loading", "compiling", "failed"})
+    if not slow:
+        return None
+    return (f"the server's forward was {' and '.join(slow)} when the run began (/ready): its "
+            "requests ran the eager forward, slower than the compiled one, until it switched")
+
+
 CONTEXT_MARGIN = 16
 """Tokens left free in a long-context prompt for BOS and the chat template."""
 
@@ -214,8 +243,10 @@ async def run_bench(settings: BenchSettings,
                                      - CONTEXT_MARGIN)
             if settings.input_tokens < 1:
                 raise ValueError("--output-tokens leaves no room for a prompt in the context")
+        settled = await settle_forward(c)
         workload = await build_workload(settings, c)
         text, notes = await weigh_text(settings, c, workload)
+        notes = [*notes, *([settled] if settled else [])]
         sampler, why = await start_sampler(settings, c)
         started = datetime.now(UTC)
         since = time.time()

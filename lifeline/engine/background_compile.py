@@ -8,8 +8,9 @@ process (`python -m lifeline.engine.background_compile SPEC`) loads the same mod
 same weight format and thread count, compiles its two graphs and saves them under the same key.
 When it exits, a thread here loads them (a second or two) and the engine's next step runs
 compiled. A later start finds the graphs in the cache and only loads them, in that thread,
-also after `/ready` (state `loading`): loading needs Dynamo and Inductor imported, ~3 s of a
-~10 s start on a 2-core machine (docs/performance.md); if they do not load, a child compiles
+also after `/ready` (state `loading`), once no other engine of the process is still being
+built (a server's backends start at once): loading needs Dynamo and Inductor imported, ~3 s of
+a ~10 s start on a 2-core machine (docs/performance.md); if they do not load, a child compiles
 them again. The child's work is the same a foreground compile would do, so for that minute the
 two share the CPU: requests are served, eagerly and slower (docs/performance.md measures it).
 Nothing in this process compiles: `lifeline:compiles_after_ready_total` stays at zero.
@@ -39,6 +40,31 @@ log = logging.getLogger("lifeline.engine")
 STATES = ("eager", "loading", "compiling", "compiled", "failed")
 """How the forward runs: eager (not asked to compile, or the model cannot), eager while the
 cached graphs load, eager while a child compiles, compiled, eager after the child failed."""
+
+
+_builds = 0
+_builds_done = threading.Condition()
+"""Engines this process is building (`engine_building`): cached graphs load once none is, so
+that one backend's load does not slow another's start (`make serve` builds two at once)."""
+
+
+def engine_building() -> None:
+    """An engine's load and build begin (call `engine_built` when they end, either way)."""
+    global _builds
+    with _builds_done:
+        _builds += 1
+
+
+def engine_built() -> None:
+    global _builds
+    with _builds_done:
+        _builds -= 1
+        _builds_done.notify_all()
+
+
+def _wait_for_builds() -> None:
+    with _builds_done:
+        _builds_done.wait_for(lambda: _builds <= 0)
 
 
 def _child_setup() -> None:  # runs in the child between fork and exec
@@ -92,6 +118,7 @@ class BackgroundCompile:
 
     def _run(self) -> None:
         if self.state == "loading":
+            _wait_for_builds()
             if self._use():
                 return
             log.warning("the cached compiled forward in %s did not load; compiling it again "
@@ -117,7 +144,13 @@ class BackgroundCompile:
     def _use(self) -> bool:
         """Load the graphs and run them from the engine's next step; False where they do not
         load."""
-        if not self.forward.preload():
+        try:
+            loaded = self.forward.preload()
+        except Exception as e:  # noqa: BLE001 (whatever stops the load leaves the forward eager)
+            log.warning("compiled graphs not loaded from %s (%s: %s)", self.forward.directory,
+                        type(e).__name__, e)
+            return False
+        if not loaded:
             return False
         self.executor.runner.forward = self.forward  # the next step runs compiled
         self.executor.compiled = True

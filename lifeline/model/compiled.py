@@ -47,6 +47,7 @@ import logging
 import os
 import platform
 import sys
+import threading
 import time
 import types
 import weakref
@@ -64,13 +65,19 @@ from lifeline.model.registry import family_of
 log = logging.getLogger(__name__)
 
 
+_DYNAMO_IMPORT = threading.Lock()
+
+
 def _before_dynamo() -> None:
     """What the first compile or load of a graph in this process needs first: its compiles
-    counted (lifeline.engine.startup) and oneDNN's int8 GEMM left as it is."""
+    counted (lifeline.engine.startup) and oneDNN's int8 GEMM left as it is. One thread at a
+    time: two threads importing Dynamo at once (two backends loading their graphs) meet its
+    circular imports half done ("cannot import name ... from partially initialized module")."""
     from lifeline.engine.startup import count_compiles
 
-    count_compiles()
-    _onednn_int8_as_is()
+    with _DYNAMO_IMPORT:
+        count_compiles()
+        _onednn_int8_as_is()
 
 
 @functools.cache

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
+from lifeline.engine.background_compile import engine_building, engine_built
 from lifeline.engine.engine import LLMEngine, RequestOutput
 from lifeline.engine.kv_layout import kv_bytes_per_token
 from lifeline.engine.request import RequestError, Timeline
@@ -116,7 +117,12 @@ class AsyncEngine(EngineClient):
         self._info: ModelInfo | None = None
 
     def start(self) -> None:
-        self._thread.start()
+        engine_building()  # counted before the thread starts: another engine's graphs wait
+        try:
+            self._thread.start()
+        except BaseException:
+            engine_built()
+            raise
 
     def wait_started(self, timeout: float | None = None) -> bool:
         if not self.built.wait(timeout):
@@ -208,6 +214,7 @@ class AsyncEngine(EngineClient):
             self.error = exc
             return
         finally:
+            engine_built()
             self.built.set()
         try:
             while not self._stop.is_set():
