@@ -60,7 +60,11 @@ def loaded(default_model):
 
 @pytest.fixture(scope="module")
 def http(server):
-    with httpx.Client(base_url=server.base_url, timeout=600) as c:
+    # idle connections dropped after 1 s, before uvicorn closes its end (5 s): a module's
+    # tests reuse this client minutes apart, and a request sent on a connection the server is
+    # closing met "Connection reset by peer" (test_wrong_method_is_an_openai_405, 2026-12-06)
+    with httpx.Client(base_url=server.base_url, timeout=600,
+                      limits=httpx.Limits(keepalive_expiry=1.0)) as c:
         yield c
 
 
