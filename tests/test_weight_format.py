@@ -337,15 +337,13 @@ def test_a_head_packed_in_parts_gives_what_one_pack_gives(rotate, monkeypatch):
     batches with and without rotation, are the bytes one pack of the whole gives."""
     import lifeline.model.weight_format as wf
 
-    if head_onednn():
-        pytest.skip("this CPU's head keeps oneDNN's copy only (AMX): nothing packed in parts")
+    monkeypatch.setattr(wf, "onednn_int8", lambda: False)  # fbgemm's copy, on any CPU
     gen = torch.Generator().manual_seed(11)
     layer = nn.Linear(64, 1000, bias=False)
     with torch.no_grad():
         layer.weight.copy_(torch.randn(1000, 64, generator=gen) * torch.rand(1000, 1,
                                                                             generator=gen))
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
-    monkeypatch.setattr(wf.os, "cpu_count", lambda: 3)
+    monkeypatch.setattr(wf, "_workers", lambda: 3)
     monkeypatch.setattr(wf, "PACK_PART_ROWS", 300)
     parts = Int8Linear(layer, rescore_top=0, rotate=rotate, one_copy=True)
     assert parts.packed is None and len(parts.packed_parts) == 3

@@ -38,12 +38,11 @@ positions and parts from llama.cpp's greedy text at a clear preference on one fi
 """
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from functools import cache
+from functools import cache, partial
 from typing import Any
 
 import torch
@@ -125,8 +124,7 @@ class Int8Linear(nn.Module):
                 return (torch.ops.quantized.linear_prepack(
                     _per_channel(part_values, part_scales), None), part_sums)
 
-            with ThreadPoolExecutor(len(parts), thread_name_prefix="lifeline-pack") as pool:
-                packed = list(pool.map(pack, parts))
+            packed = _on_threads(pack, parts)
             self.packed, self.packed_parts = None, [p for p, _ in packed]
             row_sums = torch.cat([sums for _, sums in packed])
         self.register_buffer("row_sums", row_sums.unsqueeze(0))
@@ -334,9 +332,9 @@ fbgemm in parts, one a thread (`_row_parts`)."""
 
 
 def _row_parts(rows: int) -> list[slice]:
-    """Row ranges to pack on threads of their own: one a thread of PyTorch's intra-op pool
-    where `rows` exceeds `PACK_PART_ROWS`, else the whole."""
-    parts = min(torch.get_num_threads(), os.cpu_count() or 1)
+    """Row ranges to pack on threads of their own (`_on_threads`): one a worker where `rows`
+    exceeds `PACK_PART_ROWS`, else the whole."""
+    parts = _workers()
     if rows <= PACK_PART_ROWS or parts < 2:
         return [slice(0, rows)]
     step = -(-rows // parts)
@@ -475,28 +473,30 @@ def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
                         rotate = 0 if name in folded else rotation_block(child.in_features)
                         setattr(parent, name, Int8Linear(child, rescore_top=0, rotate=rotate))
 
-        tasks += [functools.partial(quantize, layer) for layer in model.layers]
+        tasks += [partial(quantize, layer) for layer in model.layers]
     elif fmt == "gguf":
         _as_stored(model)
-    _run_all(tasks)
+    _on_threads(lambda task: task(), tasks)
     if fmt != "fp32":
         model.applied_weight_format = fmt
     return model
 
 
-def _run_all(tasks: list[Callable[[], None]]) -> None:
-    """Run `tasks` (the head's and each layer's conversion) on as many threads as PyTorch's
-    intra-op pool has: quantizing and packing are PyTorch operators that release the GIL,
-    mostly too small to split over threads themselves (10-15% of a server's weight format
-    phase on 2 cores)."""
-    workers = max(1, min(torch.get_num_threads(), os.cpu_count() or 1, len(tasks)))
-    if workers == 1:
-        for task in tasks:
-            task()
-        return
+def _workers() -> int:
+    """Threads for the weights' conversion: as many as PyTorch's intra-op pool has (at most the
+    CPUs). Quantizing and packing are PyTorch operators that release the GIL, mostly too small
+    to split over threads themselves."""
+    return max(1, min(torch.get_num_threads(), os.cpu_count() or 1))
+
+
+def _on_threads(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
+    """`[fn(item) for item in items]`, the items spread over `_workers()` threads (10-15% of a
+    server's weight format phase on 2 cores)."""
+    workers = min(_workers(), len(items))
+    if workers <= 1:
+        return [fn(item) for item in items]
     with ThreadPoolExecutor(workers, thread_name_prefix="lifeline-weights") as pool:
-        for done in [pool.submit(task) for task in tasks]:
-            done.result()
+        return list(pool.map(fn, items))
 
 
 def _as_stored(model: nn.Module) -> None:
