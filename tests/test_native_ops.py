@@ -111,3 +111,49 @@ def test_decode_attention_of_long_contexts_in_chunks_on_each_head_size(
         torch.testing.assert_close(ours, reference, atol=2e-5, rtol=1e-4)
     finally:
         torch.set_num_threads(2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+def test_a_decode_steps_kv_write_is_what_index_copy_writes(dtype):
+    """`lifeline_ext::paged_attention` on a step set by `set_decode_step` writes each new
+    token's keys and values into its slot itself (no `index_copy_`): the same bytes as
+    `cache.index_copy_(0, slots, k.to(cache.dtype))`, rounding included, and the attention
+    that follows reads them; a slot outside the pool is an error, not a write."""
+    assert native_ops()
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, head_dim, pool, layers = 6, 2, 64, 96, 2
+    caches = [(torch.randn(pool, kv_heads, head_dim, generator=gen).to(dtype),
+               torch.randn(pool, kv_heads, head_dim, generator=gen).to(dtype))
+              for _ in range(layers)]
+    expected = [(k.clone(), v.clone()) for k, v in caches]
+    lengths = torch.tensor([5, 12, 1])
+    slots, valid = scattered_contexts(lengths, pool, gen)
+    new_slots = slots[torch.arange(3), lengths - 1].contiguous()  # each context's last position
+    mask = torch.zeros(slots.shape).masked_fill_(~valid, float("-inf"))
+    torch.ops.lifeline_ext.set_decode_step([t for pair in caches for t in pair], new_slots, slots,
+                                           mask, new_slots, slots, mask, -1)
+    try:
+        for layer in range(layers):
+            q = torch.randn(3, heads, head_dim, generator=gen)
+            k = torch.randn(3, kv_heads, head_dim, generator=gen) * 1000  # fp16 rounds these
+            v = torch.randn(3, kv_heads, head_dim, generator=gen)
+            out = torch.ops.lifeline_ext.paged_attention(q, k, v, layer, 0.125, None)
+            ek, ev = expected[layer]
+            ek.index_copy_(0, new_slots, k.to(dtype))
+            ev.index_copy_(0, new_slots, v.to(dtype))
+            assert torch.equal(caches[layer][0].view(torch.uint8), ek.view(torch.uint8))
+            assert torch.equal(caches[layer][1].view(torch.uint8), ev.view(torch.uint8))
+            assert torch.equal(out, torch.ops.lifeline_ext.decode_attention(q, ek, ev, slots,
+                                                                            mask, 0.125))
+        before = caches[0][0].clone()
+        torch.ops.lifeline_ext.set_decode_step([t for pair in caches for t in pair],
+                                               torch.tensor([3, pool]), slots[:2], mask[:2],
+                                               torch.tensor([3, pool]), slots[:2], mask[:2], -1)
+        with pytest.raises(RuntimeError, match="outside the cache"):
+            torch.ops.lifeline_ext.paged_attention(torch.randn(2, heads, head_dim),
+                                                   torch.randn(2, kv_heads, head_dim),
+                                                   torch.randn(2, kv_heads, head_dim), 0, 0.125,
+                                                   None)
+        assert torch.equal(caches[0][0][pool - 1], before[pool - 1])
+    finally:
+        torch.ops.lifeline_ext.clear_decode_step()

@@ -199,6 +199,9 @@ struct Vec {
   static V set1(float x) { return _mm512_set1_ps(x); }
   static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
   static float sum(V v) { return _mm512_reduce_add_ps(v); }
+  static void sum8(const V* a, float* out) {  // out[p] = sum(a[p])
+    for (int p = 0; p < 8; ++p) out[p] = sum(a[p]);
+  }
 };
 #define LIFELINE_VEC_ATTENTION 1
 #elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -224,6 +227,18 @@ struct Vec {
     q = _mm_add_ss(q, _mm_movehdup_ps(q));
     return _mm_cvtss_f32(q);
   }
+  // out[p] = sum(a[p]) for eight vectors at once, each added in `sum`'s order (the same
+  // values, bit for bit): both halves of each added, then four at a time transposed so that
+  // (x0 + x2) + (x1 + x3) is one vertical add per lane.
+  static void sum8(const V* a, float* out) {
+    for (int b = 0; b < 2; ++b) {
+      __m128 r[4];
+      for (int i = 0; i < 4; ++i)
+        r[i] = _mm_add_ps(_mm256_castps256_ps128(a[4 * b + i]), _mm256_extractf128_ps(a[4 * b + i], 1));
+      _MM_TRANSPOSE4_PS(r[0], r[1], r[2], r[3]);
+      _mm_storeu_ps(out + 4 * b, _mm_add_ps(_mm_add_ps(r[0], r[2]), _mm_add_ps(r[1], r[3])));
+    }
+  }
 };
 #define LIFELINE_VEC_ATTENTION 1
 #endif
@@ -237,48 +252,86 @@ inline void prefetch_row(const T* p, int64_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(p) + b, _MM_HINT_T0);
 }
 
+// Positions a tile holds: their rows widened to float32 once, into a buffer that stays in L1,
+// then dotted with each query head (eight sums reduced at once, `Vec::sum8`) and, for the
+// values, accumulated into each head's output kept in registers across the tile.
+constexpr int64_t TILE = 8;
+
 template <typename T, int NV>
 void attend_chunk_vec(const float* qg, const T* kp, const T* vp, const int64_t* srow,
                       const float* mrow, int64_t l0, int64_t l1, int64_t KVH, int64_t g,
                       int64_t group, float s, float* m, float* sum, float* acc) {
   using V = typename Vec::V;
-  constexpr int64_t hd = NV * Vec::W;
+  constexpr int64_t W = Vec::W, hd = NV * W;
   constexpr int64_t row_bytes = hd * sizeof(T);
+  constexpr int C = NV < 8 ? NV : 8;  // vectors of a head's output held in registers at once
+  static_assert(NV % C == 0, "head size");
   const int64_t n = l1 - l0;
-  std::vector<float> scores(group * n);
+  thread_local std::vector<float> scores_buf, tile_buf;  // grown, never freed: no allocation a call
+  if (static_cast<int64_t>(scores_buf.size()) < group * n) scores_buf.resize(group * n);
+  if (tile_buf.size() < static_cast<size_t>(TILE * hd)) tile_buf.resize(TILE * hd);
+  float* scores = scores_buf.data();
+  float* tile = tile_buf.data();
   auto row = [&](const T* pool, int64_t l) { return pool + (srow[l] * KVH + g) * hd; };
+  auto widen = [&](const T* src, float* dst) {
+    for (int j = 0; j < NV; ++j) Vec::store(dst + j * W, Vec::load(src + j * W));
+  };
   for (int64_t l = l0; l < std::min(l1, l0 + PREFETCH_AHEAD); ++l) prefetch_row(row(kp, l), row_bytes);
-  for (int64_t l = l0; l < l1; ++l) {
-    if (l + PREFETCH_AHEAD < l1) prefetch_row(row(kp, l + PREFETCH_AHEAD), row_bytes);
-    const T* kr = row(kp, l);
-    V k[NV];
-    for (int j = 0; j < NV; ++j) k[j] = Vec::load(kr + j * Vec::W);
+  for (int64_t t0 = l0; t0 < l1; t0 += TILE) {
+    const int64_t nt = std::min(TILE, l1 - t0);
+    for (int64_t p = 0; p < nt; ++p) {
+      if (t0 + p + PREFETCH_AHEAD < l1) prefetch_row(row(kp, t0 + p + PREFETCH_AHEAD), row_bytes);
+      widen(row(kp, t0 + p), tile + p * hd);
+    }
     for (int64_t h = 0; h < group; ++h) {
       const float* qh = qg + h * hd;
-      V a0 = Vec::zero(), a1 = Vec::zero();
-      for (int j = 0; j + 1 < NV; j += 2) {
-        a0 = Vec::fma(Vec::load(qh + j * Vec::W), k[j], a0);
-        a1 = Vec::fma(Vec::load(qh + (j + 1) * Vec::W), k[j + 1], a1);
+      V dots[TILE];
+      for (int64_t p = 0; p < TILE; ++p) {
+        const float* kr = tile + p * hd;
+        V a0 = Vec::zero(), a1 = Vec::zero();
+        if (p < nt) {
+          for (int j = 0; j + 1 < NV; j += 2) {
+            a0 = Vec::fma(Vec::load(qh + j * W), Vec::load(kr + j * W), a0);
+            a1 = Vec::fma(Vec::load(qh + (j + 1) * W), Vec::load(kr + (j + 1) * W), a1);
+          }
+          if (NV % 2) a0 = Vec::fma(Vec::load(qh + (NV - 1) * W), Vec::load(kr + (NV - 1) * W), a0);
+        }
+        dots[p] = Vec::add(a0, a1);
       }
-      if (NV % 2) a0 = Vec::fma(Vec::load(qh + (NV - 1) * Vec::W), k[NV - 1], a0);
-      scores[h * n + (l - l0)] = Vec::sum(Vec::add(a0, a1)) * s + mrow[l];
+      float dot[TILE];
+      Vec::sum8(dots, dot);
+      for (int64_t p = 0; p < nt; ++p) scores[h * n + (t0 - l0) + p] = dot[p] * s + mrow[t0 + p];
     }
   }
   for (int64_t l = l0; l < std::min(l1, l0 + PREFETCH_AHEAD); ++l) prefetch_row(row(vp, l), row_bytes);
-  chunk_softmax(scores.data(), group, n, m, sum);
+  chunk_softmax(scores, group, n, m, sum);
   std::fill(acc, acc + group * hd, 0.f);
-  for (int64_t l = l0; l < l1; ++l) {
-    if (l + PREFETCH_AHEAD < l1) prefetch_row(row(vp, l + PREFETCH_AHEAD), row_bytes);
-    bool weighed = false;  // masked positions weigh exactly 0 (exp_inplace): their rows (a
-    for (int64_t h = 0; h < group; ++h) weighed |= scores[h * n + (l - l0)] != 0.f;
-    if (!weighed) continue;  // padding's slot 0, an overflowed 16-bit value) are never read
-    const T* vr = row(vp, l);
-    V v[NV];
-    for (int j = 0; j < NV; ++j) v[j] = Vec::load(vr + j * Vec::W);
+  for (int64_t t0 = l0; t0 < l1; t0 += TILE) {
+    const int64_t nt = std::min(TILE, l1 - t0);
+    int64_t used[TILE];  // the tile's positions some head weighs: masked positions weigh
+    int nu = 0;          // exactly 0 (exp_inplace) and their rows (padding's slot 0, an
+    for (int64_t p = 0; p < nt; ++p) {  // overflowed 16-bit value) are never read
+      const int64_t l = t0 + p;
+      if (l + PREFETCH_AHEAD < l1) prefetch_row(row(vp, l + PREFETCH_AHEAD), row_bytes);
+      bool weighed = false;
+      for (int64_t h = 0; h < group; ++h) weighed |= scores[h * n + (l - l0)] != 0.f;
+      if (!weighed) continue;
+      widen(row(vp, l), tile + nu * hd);
+      used[nu++] = l - l0;
+    }
     for (int64_t h = 0; h < group; ++h) {
-      const V p = Vec::set1(scores[h * n + (l - l0)]);
       float* a = acc + h * hd;
-      for (int j = 0; j < NV; ++j) Vec::store(a + j * Vec::W, Vec::fma(p, v[j], Vec::load(a + j * Vec::W)));
+      const float* sc = scores + h * n;
+      for (int c0 = 0; c0 < NV; c0 += C) {
+        V r[C];
+        for (int j = 0; j < C; ++j) r[j] = Vec::load(a + (c0 + j) * W);
+        for (int u = 0; u < nu; ++u) {  // in position order, as one position at a time
+          const V p = Vec::set1(sc[used[u]]);
+          const float* vr = tile + u * hd + c0 * W;
+          for (int j = 0; j < C; ++j) r[j] = Vec::fma(p, Vec::load(vr + j * W), r[j]);
+        }
+        for (int j = 0; j < C; ++j) Vec::store(a + (c0 + j) * W, r[j]);
+      }
     }
   }
 }
@@ -445,17 +498,54 @@ void set_decode_step(std::vector<at::Tensor> caches, at::Tensor slot_mapping,
 
 void clear_decode_step() { decode_step = DecodeStep(); }
 
+// Each new token's keys (or values) `x` [D, KVH, hd] into its slot of `cache` [S, KVH, hd],
+// converted as `x.to(cache.dtype)` converts (round to nearest even): what
+// `cache.index_copy_(0, slots, x.to(cache.dtype))` writes, without its two operators' setup
+// (~6-12 us a layer, more than the writing).
+template <typename T>
+void write_rows_as(const at::Tensor& cache, const int64_t* slots, int64_t D, const float* x) {
+  const int64_t row = cache.stride(0), S = cache.size(0);
+  T* out = cache.data_ptr<T>();
+  for (int64_t d = 0; d < D; ++d) {
+    TORCH_CHECK(slots[d] >= 0 && slots[d] < S, "paged_attention: slot ", slots[d],
+                " outside the cache's ", S);
+    T* dst = out + slots[d] * row;
+    const float* src = x + d * row;
+    for (int64_t i = 0; i < row; ++i) dst[i] = static_cast<T>(src[i]);
+  }
+}
+
+void write_rows(const at::Tensor& cache, const at::Tensor& slots, const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && slots.scalar_type() == at::kLong &&
+                  cache.is_contiguous() && x.numel() == slots.numel() * cache.stride(0),
+              "paged_attention: float32 keys and values [D, KVH, hd] for D int64 slots");
+  const auto xc = x.contiguous();
+  const auto sc = slots.contiguous();
+  const int64_t D = sc.numel();
+  switch (cache.scalar_type()) {
+    case at::kFloat:
+      return write_rows_as<float>(cache, sc.data_ptr<int64_t>(), D, xc.data_ptr<float>());
+    case at::kHalf:
+      return write_rows_as<c10::Half>(cache, sc.data_ptr<int64_t>(), D, xc.data_ptr<float>());
+    case at::kBFloat16:
+      return write_rows_as<c10::BFloat16>(cache, sc.data_ptr<int64_t>(), D, xc.data_ptr<float>());
+    default:
+      TORCH_CHECK(false, "paged_attention: a float32, float16 or bfloat16 cache");
+  }
+}
+
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            int64_t layer, double scale, std::optional<int64_t> window) {
   const DecodeStep& s = decode_step;
   if (s.active && layer >= 0 && 2 * layer + 1 < static_cast<int64_t>(s.caches.size()) &&
-      (!window.has_value() || *window == s.window) && q.scalar_type() == at::kFloat) {
+      (!window.has_value() || *window == s.window) && q.scalar_type() == at::kFloat &&
+      k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat) {
     const bool w = window.has_value();
     const at::Tensor& kc = s.caches[2 * layer];
     const at::Tensor& vc = s.caches[2 * layer + 1];
     const at::Tensor& slots = w ? s.w_slot_mapping : s.slot_mapping;
-    kc.index_copy_(0, slots, k.to(kc.scalar_type()));
-    vc.index_copy_(0, slots, v.to(vc.scalar_type()));
+    write_rows(kc, slots, k);
+    write_rows(vc, slots, v);
     return decode_attention(q, kc, vc, w ? s.w_decode_slots : s.decode_slots, w ? s.w_mask : s.mask,
                             scale);
   }

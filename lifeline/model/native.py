@@ -29,7 +29,9 @@ GGUF_SOURCE = CSRC / "gguf_ops.cpp"
 _lock = threading.Lock()
 
 
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math"]
+"""`-fno-trapping-math`: without it GCC 12 leaves the attention's exp, max and sum loops scalar
+("control flow in loop"); nothing here reads floating-point exception flags."""
 GGUF_FLAGS = ["-O3", "-fopenmp", "-fno-math-errno"]
 """The GGUF kernels are built for any x86-64 CPU: each SIMD kernel carries its own target
 attribute and is chosen at run time by what the CPU reports, so a library built on one machine
