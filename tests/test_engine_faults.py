@@ -6,8 +6,30 @@ import pytest
 from lifeline.engine.engine import EngineConfig, LLMEngine
 from lifeline.engine.request import FinishReason, RequestError
 from lifeline.engine.sampling_params import SamplingParams
+from lifeline.model.config import ModelConfig, gemma3_layer_types
+from lifeline.model.default import default_model_path
+from lifeline.model.loader import LoadedModel, build_model, init_dummy_weights
+from lifeline.tokenizer import load_tokenizer
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    """A tiny random Gemma 3 over the real model's tokenizer: both of its KV groups (sliding
+    windows of 8 tokens, and full attention), so scheduling, preemption, faults and the
+    blocks' return are walked as on the real model, whose weights these tests never look at
+    (a step ~2 ms, where the real model's float32 step took ~50-100: the preemption test alone
+    ran 37 s in make test)."""
+    tokenizer = load_tokenizer(default_model_path())
+    cfg = ModelConfig("gemma3", vocab_size=tokenizer.vocab_size, hidden_size=32, num_layers=4,
+                      num_heads=2, num_kv_heads=1, head_dim=16, intermediate_size=64,
+                      max_position=512, sliding_window=8, rope_local_theta=1e4,
+                      layer_types=gemma3_layer_types(4, 2), query_pre_attn_scalar=16,
+                      hidden_act="gelu_pytorch_tanh", qk_norm=True, tie_word_embeddings=True)
+    model = build_model(cfg)
+    init_dummy_weights(model, seed=5)
+    return LoadedModel(model.eval(), cfg, tokenizer, "tiny-gemma3", "dummy-f32")
 
 
 def _engine(loaded, **kw) -> LLMEngine:

@@ -45,6 +45,9 @@ class StandInEngine:
     def has_unfinished_requests(self):
         return bool(self.requests)
 
+    def close(self):
+        """`LLMEngine.close`, which the engine loop calls as it ends: nothing to release."""
+
     def step(self):
         time.sleep(self.step_s)
         outputs = []
