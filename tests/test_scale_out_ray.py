@@ -310,11 +310,10 @@ def test_a_replica_killed_mid_run(gateway, client, reference):
     replica is killed. Its long stream ends with the error event after its first tokens; its
     two waiting requests are retried on the live replica and answered once, in full; new
     requests are served by live replicas only."""
-    begun = threading.Barrier(3)
     hang_up = threading.Event()
     victim: list[str] = []
 
-    def long_stream(out: dict) -> dict:
+    def long_stream(out: dict, begun: threading.Event) -> dict:
         raw = client.completions.with_raw_response.create(
             model="tiny", prompt=PROMPT, max_tokens=6000, temperature=0, stream=True,
             extra_body={"ignore_eos": True})
@@ -324,7 +323,7 @@ def test_a_replica_killed_mid_run(gateway, client, reference):
             for _ in stream:
                 out["tokens"] += 1
                 if out["tokens"] == 1:
-                    begun.wait(60)
+                    begun.set()
                 if hang_up.is_set() and out["replica"] not in victim:
                     break  # the survivor's: the client hangs up, the requests behind it run
         except openai.APIError as exc:
@@ -334,9 +333,15 @@ def test_a_replica_killed_mid_run(gateway, client, reference):
         return out
 
     with cf.ThreadPoolExecutor(8) as pool:
+        # One after the other: the second is routed once the first runs on its replica, so
+        # least-outstanding sends it to the other (sent at once, both could find two idle
+        # replicas and go to the same one: make test met that once under load).
         states: list[dict] = [{}, {}]
-        longs = [pool.submit(long_stream, state) for state in states]
-        begun.wait(60)
+        longs = []
+        for state in states:
+            begun = threading.Event()
+            longs.append(pool.submit(long_stream, state, begun))
+            assert begun.wait(60), "a long stream's first token"
         replicas = sorted(state["replica"] for state in states)
         assert len(set(replicas)) == 2, "one long stream on each replica"
         shorts = [pool.submit(_short, client, s) for s in (True, False, True, False)]
