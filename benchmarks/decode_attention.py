@@ -17,6 +17,7 @@ passes over the layers, per call (µs). The outputs of the two must agree bit fo
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import subprocess
 import sys
@@ -46,7 +47,7 @@ def _base_library(rev: str) -> None:
     source = show("lifeline/csrc/cpu_ops.cpp").replace("lifeline_ext", "lifeline_base")
     flags_line = next(line for line in show("lifeline/model/native.py").splitlines()
                       if line.startswith("FLAGS = "))
-    flags = eval(flags_line.split("=", 1)[1])  # a list literal of strings, from git
+    flags = ast.literal_eval(flags_line.split("=", 1)[1].strip())  # a list of strings
     staged = Path(tempfile.mkdtemp()) / "cpu_ops_base.cpp"
     staged.write_text(source)
     if not native._load(staged, flags, "lifeline_base_ops"):

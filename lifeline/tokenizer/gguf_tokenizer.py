@@ -114,9 +114,9 @@ class GGUFTokenizer(Tokenizer):
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str]) -> GGUFTokenizer:
-        """Through Lifeline's one-pass reader (lifeline.model.gguf_reader: ~0.1 s for Gemma 3's
-        262,144-token vocabulary, where gguf-py's took ~20 s; tests/test_gguf_dequant.py holds
-        the two to the same fields)."""
+        """Through Lifeline's one-pass reader (lifeline.model.gguf_reader; tests/test_gguf_dequant.py
+        holds it to gguf-py's field by field): Gemma 3's 262,144-token tokenizer loads in ~1 s,
+        where gguf-py's reader took ~20 s (docs/performance.md)."""
         from lifeline.model.gguf_reader import GGUFReader
 
         return cls.from_gguf_reader(GGUFReader(os.fspath(path)))
