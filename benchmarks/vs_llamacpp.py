@@ -166,16 +166,20 @@ def step_bytes(model: Path, weights: str | None) -> dict[str, float]:
     """Bytes one decode step reads from the weights, per server: every 2-D weight once, the
     output head included (the token embedding where the head is tied to it); norms and the
     KV cache (a few MB at these contexts) left out. llama.cpp reads the file's blocks; Lifeline
-    int8 (one byte a value) under `int8-all`/`int8`, the file's blocks under `gguf` (its head
-    int8 in both)."""
+    int8 (one byte a value) under `int8-all`/`int8`, the file's blocks under `gguf` and, for
+    the one-row step, `gguf-int8` (its head int8 in all). `weights` None: `lifeline serve`'s
+    default."""
     sys.path.insert(0, str(ROOT))
+    from lifeline.cli import DEFAULT_WEIGHTS
     from lifeline.model.gguf_reader import GGUFReader
+
+    weights = weights or DEFAULT_WEIGHTS
 
     tensors = {t.name: t for t in GGUFReader(str(model), skip=("tokenizer.",)).tensors}
     head = tensors.get("output.weight") or tensors["token_embd.weight"]
     layers = [t for name, t in tensors.items() if name.startswith("blk.") and len(t.shape) == 2]
     values = lambda t: int(t.shape[0]) * int(t.shape[1])  # noqa: E731
-    ours_layers = sum(t.n_bytes for t in layers) if weights == "gguf" else \
+    ours_layers = sum(t.n_bytes for t in layers) if weights in ("gguf", "gguf-int8") else \
         sum(values(t) for t in layers)
     return {"llama.cpp": sum(t.n_bytes for t in layers) + head.n_bytes,
             "lifeline": ours_layers + values(head)}

@@ -13,7 +13,7 @@ from lifeline.bench.command import cmd_bench
 from lifeline.plan.command import add_parser as plan_parser
 from lifeline.plan.command import cmd_plan
 
-WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int8-all", "gguf")
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int8-all", "gguf", "gguf-int8")
 """lifeline.model.weight_format.WEIGHT_FORMATS, repeated so that parsing flags needs no torch."""
 KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "f16", "float16", "float32", "fp16", "fp32")
 """lifeline.engine.engine.KV_CACHE_DTYPES's names, repeated for the same reason."""
@@ -21,11 +21,12 @@ KV_CACHE_DTYPES = ("auto", "bf16", "bfloat16", "f16", "float16", "float32", "fp1
 if TYPE_CHECKING:
     from lifeline.server.config import ServerConfig
 
-DEFAULT_WEIGHTS = "int8-all"
+DEFAULT_WEIGHTS = "gguf-int8"
 """The command line's weight format: the fastest one measured within 2% of float32's
-perplexity that passes the engine core's llama.cpp agreement test (int8 weights everywhere,
-per-row activation scales; docs/performance.md). The Python API (`LLM`, `EngineConfig`) keeps
-float32, the exact reference path."""
+perplexity that passes the engine core's llama.cpp agreement test: one user's decode step from
+the GGUF file's own blocks, batches and prefills through int8 copies (`int8-all` where the
+model has no blocks the kernels read: an HF directory, a preset; docs/performance.md). The
+Python API (`LLM`, `EngineConfig`) keeps float32, the exact reference path."""
 
 DEFAULT_KV_CACHE_DTYPE = "fp16"
 """The command line's KV cache format on the CPU: llama.cpp's default, half the float32 pools'
@@ -82,10 +83,12 @@ def _device_flags(p: argparse.ArgumentParser) -> None:
                    help="where the model runs: cpu (default) or cuda[:N] (weights, KV cache, "
                         "attention and greedy sampling on the GPU; scheduling on the host)")
     p.add_argument("--weights", choices=WEIGHT_FORMATS, default=None,
-                   help="weight format (default: on the CPU int8-all, the fastest within 2%% "
-                        "of float32's perplexity, docs/performance.md; gguf: every layer from "
-                        "the GGUF file's own blocks, less memory, slower decode for now; on a "
-                        "GPU bf16, every weight in bfloat16, or fp32)")
+                   help="weight format (default on the CPU: gguf-int8, a lone decode row from "
+                        "the GGUF file's own blocks and batches through int8 copies, int8-all "
+                        "where the model has no GGUF blocks; the fastest within 2%% of "
+                        "float32's perplexity, docs/performance.md; gguf: every layer from "
+                        "the file's blocks alone, the least memory, slower batches; int8-all: "
+                        "int8 everywhere; on a GPU bf16, every weight in bfloat16, or fp32)")
 
 
 def device_problem(device: str) -> str | None:

@@ -51,7 +51,7 @@ def test_engine_config_takes_the_devices_defaults():
 
 def test_serve_flags_choose_the_weights_by_device():
     cpu = serve_config(build_parser().parse_args(["serve"])).engine
-    assert (cpu.device, cpu.weights) == ("cpu", "int8-all")
+    assert (cpu.device, cpu.weights) == ("cpu", "gguf-int8")
     gpu = serve_config(build_parser().parse_args(["serve", "--device", "cuda"])).engine
     assert (gpu.device, gpu.weights, gpu.kv_dtype_bytes) == ("cuda", "bf16", 2)
 

@@ -408,7 +408,7 @@ def test_serve_flags_become_the_server_config():
     assert not config.engine.compile
     default = serve_config(build_parser().parse_args(["serve"]))
     assert default.served_model_name is None
-    assert default.engine.weights == "int8-all"  # the fastest within 2% perplexity
+    assert default.engine.weights == "gguf-int8"  # the fastest within 2% perplexity
     assert default.engine.compile
 
 

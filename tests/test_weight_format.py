@@ -39,12 +39,12 @@ def fp32_logits(default_model):
     return LLM(default_model, max_num_batched_tokens=512).prompt_logits(ESSAY)
 
 
-@pytest.fixture(scope="module", params=["bf16", "int8", "int8-all", "int8-all+compile", "gguf",
-                                        "gguf+compile"])
+@pytest.fixture(scope="module", params=["bf16", "int8", "int8-all", "gguf", "gguf-int8",
+                                        "gguf-int8+compile"])
 def fast_llm(request):
     weights, _, compiled = request.param.partition("+")
     llm = LLM(load_model(), weights=weights, max_num_batched_tokens=512,
-              compile=bool(compiled))  # int8-all+compile: what `lifeline serve` runs
+              compile=bool(compiled))  # gguf-int8+compile: what `lifeline serve` runs
     assert llm.loaded.weight_format.endswith("->" + weights)
     assert llm.engine.compiled == bool(compiled)
     return llm
@@ -60,9 +60,6 @@ def test_fast_head_keeps_perplexity_within_2_percent_and_greedy_choices_close(fa
 
 
 def test_fast_head_follows_llamacpp_greedy_text_up_to_ties(fast_llm, gemma3_reference):
-    if fast_llm.engine.compiled and not onednn_int8():
-        pytest.skip("parts from llama.cpp at 'story' step 3 on a CPU whose oneDNN int8 GEMM "
-                    "is absent or saturates (AMD EPYC, 2026-12-01; fails at dbf5f1b too)")
     for prompt in PROMPTS.values():
         n = len(prompt["completion_ids"])
         params = SamplingParams(max_tokens=n, temperature=0, ignore_eos=True)
@@ -304,6 +301,38 @@ def test_one_loaded_gguf_model_behind_two_engines_is_formatted_once():
     assert loaded.weight_format.count("->int8-all") == 1, loaded.weight_format
     with pytest.raises(ValueError, match="already int8-all"):
         LLM(loaded, weights="bf16")
+
+
+def test_gguf_int8_takes_a_lone_row_from_the_blocks_and_a_batch_through_int8():
+    """`gguf-int8` on the default model (Gemma 3's Q4_K_M: q/k Q5_0 with v Q5_0 or Q8_0, o
+    Q4_K, down Q4_K or Q6_K): every projection holds the file's blocks for a lone row and an
+    int8 copy for batches, q/k/v and gate/up one int8 GEMM each even where the file's types
+    differ; the two copies give the same projection (the values unrotated in both: the KV
+    cache must not depend on which copy wrote it), each within int8's error of the other."""
+    from lifeline.model.gguf_rows import GGUFLinear
+    from lifeline.model.weight_format import ConcatLinear, RowSplitLinear
+
+    model = apply_weight_format(load_model().model, "gguf-int8")
+    assert model.applied_weight_format == "gguf-int8"
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(6, model.config.hidden_size, generator=gen)
+    mixed = 0
+    for layer in model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        splits = [attn.qkv_proj.linear, attn.o_proj, mlp.gate_up_proj.linear, mlp.down_proj]
+        assert all(isinstance(split, RowSplitLinear) for split in splits), splits
+        assert all(split.batch.rescore_top == 0 and split.batch.weight is None for split in splits)
+        mixed += isinstance(attn.qkv_proj.linear.lone, ConcatLinear)
+        for split in splits:
+            assert isinstance(split.lone, (GGUFLinear, ConcatLinear))
+            rows = x if split.in_features == x.shape[1] else torch.randn(
+                6, split.in_features, generator=gen)
+            lone = torch.cat([split(row) for row in rows.split(1)])
+            assert torch.equal(lone[:1], split.lone(rows[:1]))
+            batch = split(rows)
+            bound = float(lone.abs().max())
+            assert float((batch - lone).abs().max()) < 0.05 * bound, split
+    assert mixed == 9  # the layers whose v is Q8_0 beside Q5_0 q and k
 
 
 @pytest.mark.parametrize("rotate", [0, 32])

@@ -83,9 +83,10 @@ class EngineConfig:
     scheduling, detokenizing and stop checks stay on the host."""
     weights: str | None = None
     """On the CPU: 'fp32' (as loaded, the exact reference path), 'bf16' or 'int8' (the LM
-    head), 'int8-all' (the head and every layer projection); see model/weight_format.py; the
-    command line defaults to int8-all. On a GPU: 'bf16' (every weight and the KV cache in
-    bfloat16) or 'fp32'. None: the device's default, 'fp32' on the CPU and 'bf16' on a GPU.
+    head), 'int8-all' (the head and every layer projection), 'gguf' (every layer from a GGUF
+    file's own blocks) or 'gguf-int8' (a lone row from the blocks, batches in int8); see
+    model/weight_format.py; the command line defaults to gguf-int8. On a GPU: 'bf16' (every
+    weight and the KV cache in bfloat16) or 'fp32'. None: the device's default, 'fp32' on the CPU and 'bf16' on a GPU.
     Applied to the loaded model in place."""
 
     compile: bool = False

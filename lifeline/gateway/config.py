@@ -428,7 +428,7 @@ class _Builder:
                                               20.0))
 
     def engine(self, t: Table | None) -> EngineConfig:
-        """A local backend's engine options; the command line's defaults (int8-all weights,
+        """A local backend's engine options; the command line's defaults (DEFAULT_WEIGHTS,
         compiled) where the file says nothing."""
         from lifeline.cli import (DEFAULT_KV_CACHE_BYTES, DEFAULT_KV_CACHE_DTYPE,
                                   DEFAULT_WEIGHTS, KV_CACHE_DTYPES, WEIGHT_FORMATS)

@@ -59,7 +59,7 @@ from lifeline.model.gguf_rows import (
 from lifeline.model.layers.linear import FusedProjections
 from lifeline.model.registry import family_of
 
-WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int8-all", "gguf")
+WEIGHT_FORMATS = ("fp32", "bf16", "int8", "int8-all", "gguf", "gguf-int8")
 RESCORE_TOP = 64
 """Tokens per row whose logits are recomputed in float32."""
 ROTATE_BLOCK = 32
@@ -98,10 +98,13 @@ class Int8Linear(nn.Module):
     activations are quantized (QuaRot, arXiv:2404.00456), and is applied to each call's input."""
 
     def __init__(self, linear: nn.Linear, rescore_top: int = RESCORE_TOP, rotate: int = 0,
-                 stored: StoredTensor | None = None, one_copy: bool = False):
+                 stored: StoredTensor | None = None, one_copy: bool = False,
+                 batches_only: bool = False):
         """`one_copy`: one copy of the weights, not fbgemm's for lone rows and oneDNN's for
         batches: oneDNN's where `head_onednn()` (lone rows through it too), else fbgemm's (for
-        batches too; the head: one copy of its 168 MB on Gemma 3, docs/performance.md)."""
+        batches too; the head: one copy of its 168 MB on Gemma 3, docs/performance.md).
+        `batches_only`: the layer is called with two rows or more (`RowSplitLinear`: another
+        copy takes lone rows): oneDNN's copy alone where the CPU has oneDNN's int8 GEMM."""
         super().__init__()
         # the float32 rows are kept only for rescoring, and not at all where the file's own
         # blocks can give them (`stored`: the same values, lifeline.model.gguf_rows)
@@ -109,7 +112,8 @@ class Int8Linear(nn.Module):
         self.stored = stored if rescore_top else None
         self.bias = linear.bias
         self.rotation = hadamard(rotate) if rotate else None
-        self.onednn = onednn_int8() and (not one_copy or head_onednn())
+        self.onednn = onednn_int8() and (not one_copy or batches_only or head_onednn())
+        one_copy = one_copy or batches_only
         self.packed_parts: list[Any] | None = None
         """fbgemm's packed weights in row ranges (each packed on a thread of its own: fbgemm
         packs on one, 3 s for Gemma 3's head), where there are several; else `packed`."""
@@ -236,6 +240,26 @@ class Int8Linear(nn.Module):
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"reduce_range={self.reduce_range}, rescore_top={self.rescore_top}, "
                 f"rotate={rotate}")
+
+
+class RowSplitLinear(nn.Module):
+    """`gguf-int8`'s projection: one weight in two layouts, each where it runs faster. A lone
+    row (one user's decode step) from the GGUF file's own blocks (`GGUFLinear`: the bytes a
+    step reads are the file's 4-5 bits a weight, not int8's 8), two rows or more (a batch, a
+    prefill) through the int8 GEMM (`Int8Linear`, oneDNN's copy only where the CPU has it).
+    Both compute W x (the int8 one rotates its input itself), so the two may alternate within
+    a request: its prefill batched, its decode alone."""
+
+    def __init__(self, lone: nn.Module, batch: Int8Linear | None = None):
+        super().__init__()
+        self.lone, self.batch = lone, batch
+        self.in_features, self.out_features = lone.in_features, lone.out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = 1
+        for size in x.shape[:-1]:
+            rows = rows * size
+        return self.lone(x) if rows == 1 else self.batch(x)
 
 
 @cache
@@ -443,6 +467,9 @@ def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
         return model
     if done is not None:
         raise ValueError(f"this model's weights are already {done}; load it again for {fmt}")
+    applied = fmt
+    if fmt == "gguf-int8" and not getattr(model, "stored_tensors", None):
+        fmt = "int8-all"  # no blocks the kernels read (not a GGUF, or float tensors only)
     head = model.lm_head
     if fmt == "bf16":
         model.lm_head = BF16Linear(head)
@@ -474,11 +501,11 @@ def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
                         setattr(parent, name, Int8Linear(child, rescore_top=0, rotate=rotate))
 
         tasks += [partial(quantize, layer) for layer in model.layers]
-    elif fmt == "gguf":
-        _as_stored(model)
+    elif fmt in ("gguf", "gguf-int8"):
+        tasks += _as_stored(model, batches=fmt == "gguf-int8")
     _on_threads(lambda task: task(), tasks)
     if fmt != "fp32":
-        model.applied_weight_format = fmt
+        model.applied_weight_format = applied
     return model
 
 
@@ -499,11 +526,16 @@ def _on_threads(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
         return list(pool.map(fn, items))
 
 
-def _as_stored(model: nn.Module) -> None:
+def _as_stored(model: nn.Module, batches: bool = False) -> list[Callable[[], None]]:
     """`gguf`: every projection and the input embedding computed from the GGUF file's own
     blocks (`GGUFLinear`, `StoredEmbedding`), the head as `int8`'s; the projections a family
     fuses are stacked where they share a block type. A tensor the kernels cannot read (a float or
-    another block type) keeps its float32 layer."""
+    another block type) keeps its float32 layer.
+
+    `batches` (`gguf-int8`): the same for lone rows, and each projection also quantized to
+    int8 for batches (`RowSplitLinear`), a float32 one wholly (as `int8-all`, without folding
+    the value rotation: both copies must leave the same values in the KV cache). Returns the
+    quantizations still to do (the caller runs them on threads)."""
     head = model.lm_head
     if head.weight.device.type != "cpu":
         raise ValueError("weights as stored (gguf) run on the CPU only")
@@ -522,27 +554,39 @@ def _as_stored(model: nn.Module) -> None:
     if "embed_tokens.weight" in vocab:
         model.embed_tokens = StoredEmbedding(vocab["embed_tokens.weight"])
     fusable = family_of(model).fused
+    tasks: list[Callable[[], None]] = []
     for i, layer in enumerate(model.layers):
         for parent_name, parent in layer.named_children():
             prefix = f"layers.{i}.{parent_name}."
             for fused, names in fusable:
                 parts = [stored.get(prefix + name + ".weight") for name in names]
                 linears = [getattr(parent, name, None) for name in names]
-                if any(p is None for p in parts) or len({p.qtype for p in parts}) != 1 or \
-                        any(type(lin) is not nn.Linear for lin in linears):
+                if any(p is None for p in parts) or any(type(lin) is not nn.Linear
+                                                        for lin in linears):
                     continue
-                bias = None
-                if any(lin.bias is not None for lin in linears):
-                    bias = torch.cat([lin.bias.detach() if lin.bias is not None
-                                      else torch.zeros(lin.out_features) for lin in linears])
+                if batches:  # one int8 GEMM for a batch, whatever the file's types
+                    layer = _split(_stored_runs(parts, linears), _stacked(linears), tasks)
+                elif len({p.qtype for p in parts}) == 1:
+                    layer = GGUFLinear.stack(parts, _stacked_bias(linears))
+                else:
+                    continue
                 setattr(parent, fused, FusedProjections(
-                    GGUFLinear.stack(parts, bias), [lin.out_features for lin in linears]))
+                    layer, [lin.out_features for lin in linears]))
                 for name in names:
                     delattr(parent, name)
             for name, child in list(parent.named_children()):
                 part = stored.get(prefix + name + ".weight")
-                if type(child) is nn.Linear and part is not None:
-                    setattr(parent, name, GGUFLinear.stack([part], child.bias))
+                if type(child) is not nn.Linear:
+                    continue
+                if part is not None:
+                    layer = GGUFLinear.stack([part], child.bias)
+                    setattr(parent, name, _split(layer, child, tasks) if batches else layer)
+                elif batches:
+                    def quantize(parent=parent, name=name, child=child) -> None:
+                        setattr(parent, name, Int8Linear(
+                            child, rescore_top=0, rotate=rotation_block(child.in_features)))
+
+                    tasks.append(quantize)
     for module in model.modules():  # a repacked layer holds its own copy: the file's pages go
         if isinstance(module, GGUFLinear) and module.qtype != module.stored_qtype:
             for part in module.parts:
@@ -550,6 +594,55 @@ def _as_stored(model: nn.Module) -> None:
         if isinstance(module, GGUFLinear):
             module.parts = ()
     model.stored_tensors = {}  # the layers hold what they use
+    return tasks
+
+
+def _stacked_bias(linears: list[nn.Linear]) -> torch.Tensor | None:
+    if all(lin.bias is None for lin in linears):
+        return None
+    return torch.cat([lin.bias.detach() if lin.bias is not None
+                      else torch.zeros(lin.out_features) for lin in linears])
+
+
+def _stored_runs(parts: list[StoredTensor], linears: list[nn.Linear]) -> nn.Module:
+    """One layer over `parts`' rows: one `GGUFLinear` where they share a block type, else one
+    per run of parts that do (Gemma 3's Q4_K_M: q and k Q5_0, v Q8_0 in half the layers),
+    their outputs concatenated."""
+    runs: list[list[int]] = []
+    for i, part in enumerate(parts):
+        if runs and parts[runs[-1][0]].qtype == part.qtype:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    layers = [GGUFLinear.stack([parts[i] for i in run], _stacked_bias([linears[i] for i in run]))
+              for run in runs]
+    return layers[0] if len(layers) == 1 else ConcatLinear(layers)
+
+
+class ConcatLinear(nn.Module):
+    """Layers of the same input, their outputs concatenated (`_stored_runs`)."""
+
+    def __init__(self, layers: list[nn.Module]):
+        super().__init__()
+        self.layers = nn.ModuleList(layers)
+        self.in_features = layers[0].in_features
+        self.out_features = sum(layer.out_features for layer in layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([layer(x) for layer in self.layers], dim=-1)
+
+
+def _split(lone: nn.Module, linear: nn.Linear, tasks: list[Callable[[], None]]
+           ) -> RowSplitLinear:
+    """`lone` for lone rows, and a task that quantizes `linear` to int8 for batches."""
+    split = RowSplitLinear(lone)
+
+    def quantize() -> None:
+        split.batch = Int8Linear(linear, rescore_top=0, rotate=rotation_block(linear.in_features),
+                                 batches_only=True)
+
+    tasks.append(quantize)
+    return split
 
 
 def _stored(model: nn.Module, head: nn.Module) -> dict[str, StoredTensor]:
@@ -601,6 +694,16 @@ def _fuse(parent: nn.Module, fused: str, names: tuple[str, ...]) -> None:
     parts = [getattr(parent, name, None) for name in names]
     if not all(type(part) is nn.Linear for part in parts):
         return
+    stacked = _stacked(parts)
+    rotate = rotation_block(stacked.in_features)
+    setattr(parent, fused, FusedProjections(Int8Linear(stacked, rescore_top=0, rotate=rotate),
+                                            [part.out_features for part in parts]))
+    for name in names:
+        delattr(parent, name)
+
+
+def _stacked(parts: list[nn.Linear]) -> nn.Linear:
+    """One float32 layer over `parts`' rows (their biases stacked, zeros for a part without)."""
     weight = torch.cat([part.weight.detach() for part in parts])
     # made on the meta device: a real one would draw random weights only to drop them
     stacked = nn.Linear(weight.shape[1], weight.shape[0],
@@ -610,11 +713,7 @@ def _fuse(parent: nn.Module, fused: str, names: tuple[str, ...]) -> None:
         stacked.bias = nn.Parameter(torch.cat([
             part.bias.detach() if part.bias is not None else weight.new_zeros(part.out_features)
             for part in parts]), requires_grad=False)
-    rotate = rotation_block(stacked.in_features)
-    setattr(parent, fused, FusedProjections(Int8Linear(stacked, rescore_top=0, rotate=rotate),
-                                            [part.out_features for part in parts]))
-    for name in names:
-        delattr(parent, name)
+    return stacked
 
 
 def release_freed_memory() -> None:
