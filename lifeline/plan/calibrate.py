@@ -84,7 +84,10 @@ WEIGHTS, KV_DTYPE = "int8", "fp32"
 """How the planner prices `lifeline serve`'s defaults: `int8-all` weights, float32 KV."""
 SERVED = {"weights": "int8-all", "compile": True, "max_num_seqs": 64,
           "max_num_batched_tokens": 512}
-"""`lifeline serve`'s engine defaults (lifeline/cli.py), which the steps are measured in."""
+"""The engine the steps are measured in: `lifeline serve`'s defaults (lifeline/cli.py) but
+its weights, `int8-all` (`--weights int8-all`), whose every step reads int8 bytes as the cost
+model prices them; the default `gguf-int8` reads the file's 4-6-bit blocks in a lone row's
+step, which the cost model does not price yet (docs/plan.md)."""
 
 
 # -- where the calibration lives: lifeline.plan.hardware (calibration_path, save/load) ------
