@@ -157,3 +157,30 @@ def test_a_decode_steps_kv_write_is_what_index_copy_writes(dtype):
         assert torch.equal(caches[0][0][pool - 1], before[pool - 1])
     finally:
         torch.ops.lifeline_ext.clear_decode_step()
+
+
+@pytest.mark.parametrize("head_dim,positions,theta", [(256, 32768, 1e6), (64, 8192, 1e4),
+                                                      (128, 131072, 5e5)])
+def test_rope_rows_are_the_tables_rows_eager_and_compiled(head_dim, positions, theta):
+    """On the CPU a rotary embedding holds no tables (Gemma 3's two were 64 MiB): a step's
+    cos and sin rows are computed for its positions, the same bits as the rows of a table of
+    every position in eager code and in compiled code (`lifeline_ext::rope_rows`: Inductor's
+    own cos and sin differ in the last bit), at any count of positions."""
+    from lifeline.model.layers.rotary import RotaryEmbedding, native_rows
+
+    assert native_rows()
+    rows, tables = RotaryEmbedding(head_dim, positions, theta), \
+        RotaryEmbedding(head_dim, positions, theta)
+    assert rows.cos is None
+    tables.build_tables()
+    assert tables.cos.shape == (positions, head_dim // 2)
+    gen = torch.Generator().manual_seed(4)
+    pos = torch.cat([torch.randint(0, positions, (517,), generator=gen),
+                     torch.tensor([0, positions - 1])])
+    expected = tables.rows(pos)
+    for got in (rows.rows(pos), torch.ops.lifeline_ext.rope_rows(pos, rows.inv_freq)):
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    compiled = torch.compile(rows.rows, dynamic=True, fullgraph=True)
+    for n in (1, 7, len(pos)):
+        cos, sin = compiled(pos[:n])
+        assert torch.equal(cos, expected[0][:n]) and torch.equal(sin, expected[1][:n])

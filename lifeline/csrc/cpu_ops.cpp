@@ -559,6 +559,19 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
 
 }  // namespace
 
+// RoPE's cos and sin rows of `positions` (int64 [N]) for `inv_freq` (float32 [D/2]), by the
+// ATen kernels a table of every position is built with (torch.outer(arange(P).float(),
+// inv_freq).cos(), .sin()): the same bits as that table's rows, which Inductor's own cos and
+// sin are not (lifeline/model/layers/rotary.py).
+std::tuple<at::Tensor, at::Tensor> rope_rows(const at::Tensor& positions,
+                                             const at::Tensor& inv_freq) {
+  TORCH_CHECK(positions.dim() == 1 && inv_freq.dim() == 1 &&
+                  inv_freq.scalar_type() == at::kFloat,
+              "rope_rows: positions [N] and float32 inv_freq [D/2]");
+  const at::Tensor freqs = at::outer(positions.to(at::kFloat), inv_freq);
+  return {freqs.cos(), freqs.sin()};
+}
+
 TORCH_LIBRARY(lifeline_ext, m) {
   m.def("register_gemm(int handle, __torch__.torch.classes.quantized.LinearPackedParamsBase packed, "
         "bool reduce_range) -> ()", register_gemm);
@@ -571,10 +584,12 @@ TORCH_LIBRARY(lifeline_ext, m) {
         set_decode_step);
   m.def("clear_decode_step() -> ()", clear_decode_step);
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale, int? window) -> Tensor");
+  m.def("rope_rows(Tensor positions, Tensor inv_freq) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(lifeline_ext, CPU, m) {
   m.impl("int8_linear", int8_linear);
   m.impl("decode_attention", decode_attention);
   m.impl("paged_attention", paged_attention);
+  m.impl("rope_rows", rope_rows);
 }

@@ -60,6 +60,7 @@ from torch import nn
 
 from lifeline.model.native import native_ops
 from lifeline.model.layers.attention import PagedAttention, compiled_attention_op
+from lifeline.model.layers.rotary import build_tables, native_rows
 from lifeline.model.registry import family_of
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,8 @@ def compile_forward(model: nn.Module, identity: str = ""
     configuration), for the cache's key."""
     if not supports_compile(model):
         raise ValueError(f"{type(model).__name__} does not support compile")
+    if not native_rows():
+        build_tables(model)  # compiled code computes no cos or sin of its own
     for module in model.modules():
         if hasattr(module, "int8_matmul") and not module.rescore_top and module.packed is not None:
             module.compile_handle = torch.tensor([register_int8_linear(module)])

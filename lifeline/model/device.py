@@ -26,8 +26,11 @@ def place_model(model: nn.Module, device: str | torch.device,
                 dtype: torch.dtype | None = None) -> None:
     """Moves `model` to `device` in place, its floating-point parameters converted to `dtype`
     one at a time (a tied head stays tied, and the device never holds a float32 copy of the
-    whole model). Buffers keep their dtype: the rotary tables stay float32, and a rotation's
-    result is rounded once, to the activations' dtype."""
+    whole model). Buffers keep their dtype: the rotary tables (built here) stay float32, and
+    a rotation's result is rounded once, to the activations' dtype."""
+    from lifeline.model.layers.rotary import build_tables
+
+    build_tables(model)  # the rows are computed for each step on the CPU only
     for param in model.parameters():
         target = dtype if dtype is not None and param.is_floating_point() else param.dtype
         param.data = param.data.to(device, target)

@@ -1,6 +1,7 @@
 """Rotary position embedding, NEOX layout (rotate halves), as HF and llama.cpp's NEOX type."""
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -32,30 +33,80 @@ def _llama3_scaling(inv_freq: torch.Tensor, s: dict[str, Any]) -> torch.Tensor:
 
 
 class RotaryEmbedding(nn.Module):
+    """cos and sin of position x inverse frequency, as rows a step needs (`rows`): on the CPU
+    computed for the step's positions, by the very ATen kernels a table of every position
+    would have been built with (so the same bits; compiled code calls them through
+    `lifeline_ext::rope_rows`, where Inductor's own cos and sin differ in the last bit); on a
+    GPU, or compiled where that operator is not built, looked up in tables of every position
+    (`build_tables`: Gemma 3's two are 64 MiB at 32,768 positions, which the CPU no longer
+    holds)."""
+
     def __init__(self, head_dim: int, max_position: int, theta: float,
                  scaling: dict[str, Any] | None = None):
         super().__init__()
-        inv_freq = _inv_freq(head_dim, theta, scaling)
-        t = torch.arange(max_position, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        self.max_position = max_position
+        self.register_buffer("inv_freq", _inv_freq(head_dim, theta, scaling), persistent=False)
+        self.register_buffer("cos", None, persistent=False)  # `build_tables`
+        self.register_buffer("sin", None, persistent=False)
         self._positions: torch.Tensor | None = None
         self._cos_sin: tuple[torch.Tensor, torch.Tensor] = ()
+
+    def build_tables(self) -> None:
+        """The tables of every position (computed on the CPU, placed where `inv_freq` is)."""
+        if self.cos is not None:
+            return
+        t = torch.arange(self.max_position, dtype=torch.float32)
+        freqs = torch.outer(t, self.inv_freq.cpu())
+        device = self.inv_freq.device
+        self.cos, self.sin = freqs.cos().to(device), freqs.sin().to(device)
+
+    def rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [N, head_dim / 2] of `positions` [N]."""
+        if self.cos is not None:
+            return self.cos[positions], self.sin[positions]
+        if torch.compiler.is_compiling():
+            return torch.ops.lifeline_ext.rope_rows(positions, self.inv_freq)
+        freqs = torch.outer(positions.float(), self.inv_freq)
+        return freqs.cos(), freqs.sin()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [N, H, D], k: [N, KVH, D], positions: [N]."""
-        if torch.compiler.is_compiling():  # the compiler shares the lookup across layers
-            cos, sin = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        if torch.compiler.is_compiling():  # the compiler shares the rows across layers
+            cos, sin = self.rows(positions)
+            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         else:
             if positions is not self._positions:  # every layer of a step passes this tensor
                 self._positions = positions
-                self._cos_sin = (self.cos[positions].unsqueeze(1),
-                                 self.sin[positions].unsqueeze(1))
+                cos, sin = self.rows(positions)
+                self._cos_sin = (cos.unsqueeze(1), sin.unsqueeze(1))
             cos, sin = self._cos_sin
-        # float32 tables: bf16 activations rotate in float32, rounded once (a no-op in float32)
+        # float32 rows: bf16 activations rotate in float32, rounded once (a no-op in float32)
         return _rotate(q, cos, sin).to(q.dtype), _rotate(k, cos, sin).to(k.dtype)
+
+
+def build_tables(model: nn.Module) -> None:
+    """Every rotary embedding of `model` with its tables (`RotaryEmbedding.build_tables`)."""
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.build_tables()
+
+
+@functools.cache
+def native_rows() -> bool:
+    """Whether `lifeline_ext::rope_rows` (lifeline/csrc/cpu_ops.cpp) is built, its shapes
+    registered for the compiler; compiled code without it looks rows up in tables."""
+    from lifeline.model.native import native_ops
+
+    if not native_ops() or not hasattr(torch.ops.lifeline_ext, "rope_rows"):
+        return False
+
+    @torch.library.register_fake("lifeline_ext::rope_rows")
+    def _(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        shape = (positions.shape[0], inv_freq.shape[0])
+        return inv_freq.new_empty(shape), inv_freq.new_empty(shape)
+
+    return True
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
