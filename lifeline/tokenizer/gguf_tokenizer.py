@@ -3,7 +3,9 @@ over scores (tokenizer model 'llama') or byte-level BPE over ranked merges ('gpt
 lifeline.tokenizer.bpe)."""
 from __future__ import annotations
 
+import itertools
 import os
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,8 +26,8 @@ class GGUFVocab:
     """What a GGUF file says about its tokenizer (defaults as llama.cpp's for its `model`)."""
 
     tokens: list[str]
-    scores: list[float]
-    token_types: list[int]
+    scores: Sequence[float]
+    token_types: Sequence[int]
     bos_token_id: int | None = None
     eos_token_id: int | None = None
     unk_token_id: int | None = None
@@ -90,12 +92,20 @@ class GGUFTokenizer(Tokenizer):
         self.add_bos = vocab.add_bos
         self.vocab_size = len(vocab.tokens)
         self._ids = {text: i for i, text in enumerate(vocab.tokens)}
-        self._neg_scores = [-s for s in vocab.scores]
+        # Flat arrays, not lists of Python objects: Gemma 3's 262,144 scores, token types and
+        # token bytes took ~25 MB more as lists (docs/performance.md)
+        self._neg_scores = array("d", (-s for s in vocab.scores))  # the same values
+        vocab.scores = array("f", vocab.scores)  # float32, as the file stores them
+        vocab.token_types = array("B", vocab.token_types)
         self._bpe = (ByteLevelBPE(self._ids, vocab.merges, vocab.pre or "default")
                      if vocab.model == "gpt2" else None)
         normal = _bpe_normal_bytes() if self._bpe else _spm_normal_bytes
         pairs = zip(vocab.tokens, vocab.token_types, strict=True)
-        self._bytes = [_token_bytes(text, kind, normal) for text, kind in pairs]
+        pieces = [_token_bytes(text, kind, normal) for text, kind in pairs]
+        self._blob = b"".join(pieces)
+        """Every token's bytes, one after another; token i's are `_blob[_ends[i-1]:_ends[i]]`."""
+        self._ends = array("Q", itertools.accumulate(map(len, pieces)))
+        del pieces
         self._byte_ids = [self._byte_id(b) for b in range(256)]
         types = vocab.token_types
         self.special_token_ids = frozenset(i for i, k in enumerate(types)
@@ -191,7 +201,8 @@ class GGUFTokenizer(Tokenizer):
         if skip_special_tokens and ids and ids[0] == self.bos_token_id:
             ids = ids[1:]
         skip = self.special_token_ids if skip_special_tokens else frozenset()
-        pieces = [b"" if i in skip else self._bytes[i] for i in ids]
+        blob, ends = self._blob, self._ends
+        pieces = [b"" if i in skip else blob[ends[i - 1] if i else 0:ends[i]] for i in ids]
         if self.vocab.add_space_prefix and pieces and pieces[0][:1] == b" ":
             pieces[0] = pieces[0][1:]
         return b"".join(pieces)
@@ -200,7 +211,9 @@ class GGUFTokenizer(Tokenizer):
         return self.vocab.tokens[token_id]
 
     def token_to_bytes(self, token_id: int) -> bytes:
-        return self._bytes[token_id]
+        if not 0 <= token_id < self.vocab_size:
+            raise IndexError(f"token id {token_id} out of range")
+        return self._blob[self._ends[token_id - 1] if token_id else 0:self._ends[token_id]]
 
     def token_type(self, token_id: int) -> int:
         return self.vocab.token_types[token_id]
