@@ -46,6 +46,7 @@ STAGE_HELP = {
 class Metrics:
     def __init__(self, model_name: str):
         self.registry = CollectorRegistry()
+        self._exposition = Exposition()
         self._lock = threading.Lock()
         self._seen = {"queries": 0, "hits": 0, "preemptions": 0, "thread_changes": 0}
         label = [model_name]
@@ -164,7 +165,7 @@ class Metrics:
 
     def render(self) -> tuple[bytes, str]:
         """The exposition body and its content type."""
-        return generate_latest(self.registry), CONTENT_TYPE
+        return self._exposition.render(self.registry), CONTENT_TYPE
 
     def _advance(self, counter: Any, key: str, total: int) -> None:
         """Move a counter to an engine's cumulative total; a total that went down means a
@@ -186,6 +187,107 @@ class Metrics:
     def _counter(self, name: str, doc: str, label: list[str]):
         return Counter(f"lifeline:{name}", doc, ["model_name"],
                        registry=self.registry).labels(*label)
+
+
+class Exposition:
+    """`prometheus_client.generate_latest`'s text, byte for byte, in about half its time: each
+    sample's name and labels are formatted once and kept (a scrape changes values, not label
+    sets). A scrape of `generate_latest` took ~5 ms of the GIL for ~400 lines, in the event
+    loop, while the engine thread waits for the GIL between its kernels: with the bench
+    scraping every 0.2 s, one user's token gap p90/p50 went from 1.18-1.29 to 1.43-1.56 on
+    Gemma 3 (docs/performance.md). Where this prometheus_client lacks the helpers it needs,
+    `generate_latest` itself."""
+
+    def __init__(self) -> None:
+        self._lines: dict[tuple[str, tuple[tuple[str, str], ...]], str] = {}
+        self._heads: dict[tuple[str, str, str, str], str] = {}
+        try:
+            from prometheus_client.openmetrics.exposition import (  # noqa: F401
+                ALLOWUTF8,
+                UNDERSCORES,
+                _escape,
+                escape_label_name,
+                escape_metric_name,
+            )
+            from prometheus_client.utils import floatToGoString  # noqa: F401
+        except ImportError:
+            self._fast = False
+        else:
+            self._fast = True
+
+    def render(self, registry: CollectorRegistry) -> bytes:
+        if not self._fast:
+            return generate_latest(registry)
+        from prometheus_client.utils import floatToGoString
+
+        out: list[str] = []
+        for metric in registry.collect():
+            mname, mtype = metric.name, metric.type
+            if mtype in ("info", "stateset", "gaugehistogram"):  # none of ours: the library's
+                out.append(_one_metric(metric))
+                continue
+            if mtype == "counter":
+                mname += "_total"
+            elif mtype == "unknown":
+                mtype = "untyped"
+            out.append(self._head(mname, mtype, metric.documentation))
+            extra: dict[str, list[str]] = {}
+            for sample in metric.samples:
+                if sample.timestamp is not None or sample.exemplar is not None:
+                    return generate_latest(registry)  # not written by this fast path
+                prefix = self._prefix(sample.name, sample.labels)
+                line = f"{prefix} {floatToGoString(sample.value)}\n"
+                for suffix in ("_created", "_gsum", "_gcount"):
+                    if sample.name == metric.name + suffix:
+                        extra.setdefault(suffix, []).append(line)
+                        break
+                else:
+                    out.append(line)
+            for suffix, lines in sorted(extra.items()):
+                out.append(self._head(metric.name + suffix, "gauge", metric.documentation))
+                out.extend(lines)
+        return "".join(out).encode("utf-8")
+
+    def _head(self, name: str, mtype: str, doc: str) -> str:
+        key = (name, mtype, doc, "")
+        head = self._heads.get(key)
+        if head is None:
+            from prometheus_client.openmetrics.exposition import UNDERSCORES, escape_metric_name
+
+            escaped = escape_metric_name(name, UNDERSCORES)
+            text = doc.replace("\\", r"\\").replace("\n", r"\n")
+            head = self._heads[key] = f"# HELP {escaped} {text}\n# TYPE {escaped} {mtype}\n"
+        return head
+
+    def _prefix(self, name: str, labels: dict[str, str]) -> str:
+        key = (name, tuple(labels.items()))
+        prefix = self._lines.get(key)
+        if prefix is None:
+            from prometheus_client.openmetrics.exposition import (
+                ALLOWUTF8,
+                UNDERSCORES,
+                _escape,
+                escape_label_name,
+                escape_metric_name,
+            )
+
+            text = ",".join(f'{escape_label_name(k, UNDERSCORES)}="{_escape(v, ALLOWUTF8, False)}"'
+                            for k, v in sorted(labels.items()))
+            prefix = escape_metric_name(name, UNDERSCORES) + (f"{{{text}}}" if text else "")
+            self._lines[key] = prefix
+        return prefix
+
+
+def _one_metric(metric: Any) -> str:
+    """`generate_latest`'s text of one metric."""
+    registry = CollectorRegistry()
+
+    class _One:
+        def collect(self) -> list[Any]:
+            return [metric]
+
+    registry.register(_One())
+    return generate_latest(registry).decode("utf-8")
 
 
 class _MoEMetrics:
