@@ -117,8 +117,11 @@ class Server:
 def llama_server(binary: Path, model: Path, slots: int, ctx: int) -> Server:
     port = free_port()
     env = {"LD_LIBRARY_PATH": f"{binary.parent}:{os.environ.get('LD_LIBRARY_PATH', '')}"}
+    # --metrics: the bench scrapes both servers' /metrics alike (every 0.2 s; without it
+    # llama-server has none, and only Lifeline paid for being scraped)
     argv = [str(binary), "-m", str(model), "-t", str(THREADS), "-tb", str(THREADS),
-            "-np", str(slots), "-c", str(ctx), "--host", "127.0.0.1", "--port", str(port)]
+            "-np", str(slots), "-c", str(ctx), "--metrics", "--host", "127.0.0.1", "--port",
+            str(port)]
     return Server(f"llama.cpp -np {slots}", argv, port, "/health", env)
 
 
