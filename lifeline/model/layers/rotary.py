@@ -55,6 +55,11 @@ class RotaryEmbedding(nn.Module):
         """The tables of every position (computed on the CPU, placed where `inv_freq` is)."""
         if self.cos is not None:
             return
+        if self.inv_freq.is_meta:  # a model of shapes only
+            shape = (self.max_position, self.inv_freq.shape[0])
+            self.cos = torch.empty(shape, device="meta")
+            self.sin = torch.empty(shape, device="meta")
+            return
         t = torch.arange(self.max_position, dtype=torch.float32)
         freqs = torch.outer(t, self.inv_freq.cpu())
         device = self.inv_freq.device
