@@ -200,6 +200,11 @@ class Busy:
         self.proc.wait()
 
 
+IDLE_S = 1.5
+"""Seconds each server idles after its run before its RSS is read: Lifeline hands the heap's
+free pages back once idle for 0.5 s (lifeline/server/async_engine.py), so both are read at rest."""
+
+
 def _runs(quick: bool) -> dict[str, dict[str, Any]]:
     n = 2 if quick else 1
     return {
@@ -272,6 +277,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 with make() as server:
                     with Busy() if spec.get("busy") else contextlib.nullcontext():
                         figures[label] = _figures(name, bench(server, spec["args"]))
+                    time.sleep(IDLE_S)
                     memory[label] = server.resident_mib()
                 if label in bandwidth and figures[label].get("decode tok/s"):
                     ceiling = bandwidth[label] * 1e9 / per_step[label.split(",")[0]]

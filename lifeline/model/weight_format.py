@@ -721,10 +721,19 @@ def release_freed_memory() -> None:
     the allocator's free pages back to the system (glibc's `malloc_trim`): the float32
     weights were freed into the heap, which keeps them resident otherwise (1.3 GB of
     Gemma 3 270M's heap after `int8-all`). Nothing where the C library has no such call."""
-    import ctypes
     import gc
 
     gc.collect()
+    trim_heap()
+
+
+def trim_heap() -> None:
+    """Hand the C allocator's free pages back to the system (glibc's `malloc_trim(0)`, every
+    arena): the steps' large temporaries (a prefill's activations, a batch's logits) are freed
+    into the heap, which keeps them resident otherwise. Nothing where the C library has no
+    such call."""
+    import ctypes
+
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (AttributeError, OSError):
