@@ -565,13 +565,13 @@ def _as_stored(model: nn.Module, batches: bool = False) -> list[Callable[[], Non
                                                         for lin in linears):
                     continue
                 if batches:  # one int8 GEMM for a batch, whatever the file's types
-                    layer = _split(_stored_runs(parts, linears), _stacked(linears), tasks)
+                    projection = _split(_stored_runs(parts, linears), _stacked(linears), tasks)
                 elif len({p.qtype for p in parts}) == 1:
-                    layer = GGUFLinear.stack(parts, _stacked_bias(linears))
+                    projection = GGUFLinear.stack(parts, _stacked_bias(linears))
                 else:
                     continue
                 setattr(parent, fused, FusedProjections(
-                    layer, [lin.out_features for lin in linears]))
+                    projection, [lin.out_features for lin in linears]))
                 for name in names:
                     delattr(parent, name)
             for name, child in list(parent.named_children()):
@@ -579,8 +579,9 @@ def _as_stored(model: nn.Module, batches: bool = False) -> list[Callable[[], Non
                 if type(child) is not nn.Linear:
                     continue
                 if part is not None:
-                    layer = GGUFLinear.stack([part], child.bias)
-                    setattr(parent, name, _split(layer, child, tasks) if batches else layer)
+                    stored_layer = GGUFLinear.stack([part], child.bias)
+                    setattr(parent, name,
+                            _split(stored_layer, child, tasks) if batches else stored_layer)
                 elif batches:
                     def quantize(parent=parent, name=name, child=child) -> None:
                         setattr(parent, name, Int8Linear(
