@@ -16,6 +16,7 @@ from lifeline.tokenizer import (
     Tokenizer,
     load_tokenizer,
 )
+from lifeline.tokenizer.spm import HEAPIFY_MAX
 
 FIXTURE = Path(__file__).parent / "fixtures" / "tokenizer_llamacpp.json"
 BYTE = 6
@@ -89,6 +90,13 @@ def test_encode_matches_transformers(tok: GGUFTokenizer, hf_gguf, text: str) -> 
 @HYPOTHESIS
 @given(text=mixed_text().filter(transformers_agrees))
 def test_encode_random_text_matches_transformers(tok: GGUFTokenizer, hf_gguf, text: str) -> None:
+    assert tok.encode(text) == hf_gguf.encode(text)
+
+
+def test_a_text_longer_than_one_heapify_matches_transformers(tok: GGUFTokenizer, hf_gguf) -> None:
+    """Past `HEAPIFY_MAX` characters the merge heap is built by pushes: the same ids."""
+    text = "".join(c for c in CONTROL_FREE if transformers_agrees(c)) * 80
+    assert len(text) > HEAPIFY_MAX
     assert tok.encode(text) == hf_gguf.encode(text)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 from lifeline.tokenizer.base import Tokenizer
 from lifeline.tokenizer.bpe import ByteLevelBPE, byte_decoder, decode_token_text
 from lifeline.tokenizer.specials import SpecialSplitter, has_placeholders, unescape
-from lifeline.tokenizer.spm import spm_merge
+from lifeline.tokenizer.spm import score_ranks, spm_merge
 
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 END_OF_TURN_TEXTS = ("<end_of_turn>", "<|eot_id|>", "<|im_end|>", "<|endoftext|>", "<|eom_id|>")
@@ -94,7 +94,7 @@ class GGUFTokenizer(Tokenizer):
         self._ids = {text: i for i, text in enumerate(vocab.tokens)}
         # Flat arrays, not lists of Python objects: Gemma 3's 262,144 scores, token types and
         # token bytes took ~25 MB more as lists (docs/performance.md)
-        self._neg_scores = array("d", (-s for s in vocab.scores))  # the same values
+        self._ranks = score_ranks(vocab.scores)
         vocab.scores = array("f", vocab.scores)  # float32, as the file stores them
         vocab.token_types = array("B", vocab.token_types)
         self._bpe = (ByteLevelBPE(self._ids, vocab.merges, vocab.pre or "default")
@@ -183,7 +183,7 @@ class GGUFTokenizer(Tokenizer):
 
     def _encode_raw(self, text: str) -> list[int]:
         ids: list[int] = []
-        for sym in spm_merge(text, self._ids, self._neg_scores):
+        for sym in spm_merge(text, self._ids, self._ranks):
             token_id = self._ids.get(sym)
             if token_id is not None:
                 ids.append(token_id)
