@@ -11,7 +11,8 @@ A start is timed from the spawn to the first 200 from `/ready` (polled every 50 
 are the server's own (`/ready`'s `startup_seconds`, lifeline.engine.startup): read weights,
 native ops, weight format, KV pools, compile and warm-up, other (imports, the app, the chat
 template); `make serve`'s two models load at once on two engine threads, so their phases
-overlap. RSS is the server's at `/ready`.
+overlap. RSS is the server's at `/ready`, and once the forward runs compiled ("compiled RSS":
+`gguf-int8`'s int8 copies are built after `/ready`, from float32 weights held until then).
 
     python benchmarks/startup.py [--case smollm2 --case gemma --case make-serve] [--warm 2]
         [--json results.json]
@@ -113,6 +114,7 @@ def start_once(case: str, caches: Path, log: Path, extra: list[str] = (),
                 time.sleep(0.2)
             body = httpx.get(f"http://127.0.0.1:{port}/ready", timeout=5).json()
             compiled = time.perf_counter() - start
+        rss_compiled = _rss_mib(proc.pid)  # the background's work done (weights, graphs)
         after = [_decode_tok_s(port) for _ in range(3)] if probe else []
     finally:
         proc.terminate()
@@ -128,7 +130,8 @@ def start_once(case: str, caches: Path, log: Path, extra: list[str] = (),
     else:
         by_backend = None
     return {"case": case, "ready_s": ready, "compiled_s": compiled, "phases": phases,
-            "by_backend": by_backend, "rss_mib": rss, "forward": body.get("forward"),
+            "by_backend": by_backend, "rss_mib": rss, "rss_compiled_mib": rss_compiled,
+            "forward": body.get("forward"),
             "decode_tok_s_while_compiling": while_compiling, "decode_tok_s_after": after}
 
 
@@ -164,13 +167,13 @@ def main(argv: list[str] | None = None) -> int:
                 results.append(r)
                 console.print(f"{case} {label}: ready in {r['ready_s']:.1f} s")
         table = Table(title="lifeline serve: spawn to /ready (s), by phase")
-        for col in ("case", "start", "ready", "compiled", *PHASES, "RSS MiB"):
+        for col in ("case", "start", "ready", "compiled", *PHASES, "RSS MiB", "compiled RSS"):
             table.add_column(col.replace("_", " "), justify="left" if col in ("case", "start")
                              else "right")
         for r in results:
             table.add_row(r["case"], r["start"], f"{r['ready_s']:.1f}", f"{r['compiled_s']:.1f}",
                           *(f"{r['phases'].get(p, 0.0):.1f}" for p in PHASES),
-                          f"{r['rss_mib']:.0f}")
+                          f"{r['rss_mib']:.0f}", f"{r['rss_compiled_mib']:.0f}")
         console.print(table)
         probed = [r for r in results if r["decode_tok_s_after"]]
         if probed:

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("lifeline.engine")
@@ -78,30 +79,46 @@ def _child_setup() -> None:  # runs in the child between fork and exec
 
 
 class BackgroundCompile:
-    """`forward`'s graphs (a `CachedForward` not yet in use) loaded from the cache where it
-    has them, else compiled by a child for the model at `source` in `weights`; once they load,
-    `executor` runs them."""
+    """The graphs of the forward `prepare()` gives (a `CachedForward` not yet in use) loaded
+    from the cache where it has them, else compiled by a child for the model at `source` in
+    `weights`; once they load, `executor` runs them. With `deferred` (`ModelExecutor.
+    deferred_weights`), `prepare` first builds the weight format's copies for batches, in this
+    thread after `/ready` (state `loading` until the graphs are found or not)."""
 
-    def __init__(self, executor: Any, forward: Any, source: str, weights: str | None):
-        self.executor, self.forward = executor, forward
-        self.state = "loading" if forward.cached() else "compiling"
+    def __init__(self, executor: Any, prepare: Callable[[], Any], source: str,
+                 weights: str | None, deferred: Any = None):
+        self.executor, self._deferred = executor, deferred
         self.started = time.perf_counter()
         self.seconds: float | None = None
         """From the start (of the load, else the child) to the graphs in use (or the
         failure)."""
-        self._spec = {"source": source, "weights": weights, "threads": _threads(),
-                      "key": forward.directory.name}
+        self.weights_seconds: float | None = None
+        """The weight format's conversions this thread finished (`deferred`), in seconds."""
+        self._spec = {"source": source, "weights": weights, "threads": _threads()}
         self._proc: subprocess.Popen[str] | None = None
         self._closed = False
         self._lock = threading.Lock()
+        self._prepare: Callable[[], Any] | None = prepare if deferred is not None else None
+        self.forward: Any = None if deferred is not None else prepare()
+        self.state = "loading"
+        if self.forward is not None:
+            self._found()
+        else:
+            log.info("serving eagerly while the weights for batches are built and the compiled "
+                     "forward found")
+        self._thread = threading.Thread(target=self._run, name="lifeline-background-compile",
+                                        daemon=True)
+        self._thread.start()
+
+    def _found(self) -> None:
+        """The forward known: load its graphs if the cache has them, else start a child."""
+        self._spec["key"] = self.forward.directory.name
+        self.state = "loading" if self.forward.cached() else "compiling"
         if self.state == "compiling":
             self._start_child()
         else:
             log.info("serving eagerly while the compiled forward loads from %s",
-                     forward.directory)
-        self._thread = threading.Thread(target=self._run, name="lifeline-background-compile",
-                                        daemon=True)
-        self._thread.start()
+                     self.forward.directory)
 
     def _start_child(self) -> None:
         with self._lock:
@@ -117,6 +134,18 @@ class BackgroundCompile:
                      "into %s", self._proc.pid, self.forward.directory)
 
     def _run(self) -> None:
+        if self._prepare is not None:
+            _wait_for_builds()  # the other backends' starts first, as for a load
+            start = time.perf_counter()
+            try:
+                self.forward = self._prepare()
+            except Exception as e:  # noqa: BLE001 (the forward stays eager, and says why)
+                return self._fail(f"{type(e).__name__}: {e}")
+            self.weights_seconds = time.perf_counter() - start
+            if self._closed:
+                return self._fail("stopped while the weights for batches were built")
+            log.info("the weights for batches built in %.1f s", self.weights_seconds)
+            self._found()
         if self.state == "loading":
             _wait_for_builds()
             if self._use():
@@ -172,15 +201,21 @@ class BackgroundCompile:
         return self.state
 
     def close(self) -> None:
-        """Stop the child if it still runs (and any that a failed load would start)."""
+        """Stop the child if it still runs (and any that a failed load would start), skip
+        the weights' conversions not yet begun, and wait for this thread to end: an
+        interpreter that exits under a conversion or a load aborts."""
         with self._lock:
             self._closed = True
+        if self._deferred is not None:
+            self._deferred.cancel()
         if self._proc is not None and self._proc.poll() is None:
             self._proc.terminate()
             try:
                 self._proc.wait(10)
             except subprocess.TimeoutExpired:
                 self._proc.kill()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(15)
 
 
 def _threads() -> int:

@@ -245,8 +245,9 @@ class LLMEngine:
         serves eagerly."""
         pending = getattr(self.executor, "pending_compile", None)
         if pending is not None:
-            self.background_compile = BackgroundCompile(self.executor, pending,
-                                                        str(loaded.source), config.weights)
+            self.background_compile = BackgroundCompile(
+                self.executor, pending, str(loaded.source), config.weights,
+                deferred=getattr(self.executor, "deferred_weights", None))
         if config.adaptive_threads and config.device.partition(":")[0] == "cpu":
             import torch
 

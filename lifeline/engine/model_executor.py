@@ -2,6 +2,7 @@
 prompt logits and logprobs, sampling), handed back as an immutable `ModelOutput`."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -15,8 +16,15 @@ from lifeline.engine.sampler import Sampler, SamplerOutput, SamplingInput
 from lifeline.engine.scheduler import SchedulerOutput
 from lifeline.engine.startup import Startup
 from lifeline.model.device import gpu_dtype, place_model, runs_on_gpu
+from lifeline.model.loader import lazy_load_for, materialize_weights
 from lifeline.model.native import native_ops
-from lifeline.model.weight_format import apply_weight_format, release_freed_memory
+from lifeline.model.weight_format import (
+    DeferredWeights,
+    apply_weight_format,
+    finish_weight_format,
+    pending_weights,
+    release_freed_memory,
+)
 
 if TYPE_CHECKING:
     from lifeline.engine.engine import EngineConfig
@@ -39,6 +47,8 @@ class ModelExecutor:
         self.startup = startup = Startup()
         """The phases of the start spent here (lifeline.engine.startup)."""
         model = loaded.model
+        if dtype is not None or not lazy_load_for(config.weights, config.device):
+            materialize_weights(model)  # float32 layers where a lazy load left the file's
         if dtype is None and runs_on_gpu(config.device):
             dtype = gpu_dtype(config.weights)
         if dtype is not None:
@@ -46,13 +56,15 @@ class ModelExecutor:
                 place_model(model, config.device, dtype)
             loaded.weight_format = f"{loaded.weight_format}->{config.weights}@{config.device}"
         else:
-            model.to(config.device)
+            if not getattr(model, "lazy_weights", None):  # else on the CPU already
+                model.to(config.device)
             if config.weights != "fp32" or config.compile:
                 with startup.phase("native_ops"):
                     native_ops()  # built or found here, so that the phases tell it apart
             if config.weights != "fp32":
                 with startup.phase("weight_format"):
-                    apply_weight_format(model, config.weights)
+                    apply_weight_format(model, config.weights,
+                                        defer_batches=_defers_batches(config))
                     release_freed_memory()
                 if not loaded.weight_format.endswith(f"->{config.weights}"):
                     loaded.weight_format = f"{loaded.weight_format}->{config.weights}"
@@ -62,16 +74,33 @@ class ModelExecutor:
             self.runner = ModelRunner(model, loaded.config, layout,
                                       kv_dtype=config.kv_torch_dtype(self.dtype),
                                       device=config.device)
-        self.compiled = config.compile and self.runner.compile()
+        self.compiled = False
         """Whether the forward runs compiled (config.compile, where the model supports it)."""
-        self.pending_compile: CachedForward | None = None
-        """The compiled forward a background compile will fill or load
-        (config.compile_in_background): until then the forward runs eagerly."""
-        if self.compiled and config.compile_in_background:
-            forward = self.runner.forward
-            if hasattr(forward, "cached"):  # a CachedForward
-                self.runner.forward, self.compiled = self.runner.model, False
-                self.pending_compile = forward
+        self.pending_compile: Callable[[], CachedForward] | None = None
+        """What gives the compiled forward a background compile will fill or load
+        (config.compile_in_background): until then the forward runs eagerly. Where the weight
+        format left its copies for batches to build (`deferred_weights`), calling it builds
+        them first: the compiled graphs, and their key, are those of the whole format."""
+        self.deferred_weights: DeferredWeights | None = None
+        """The weight format's copies for batches that `pending_compile` builds first."""
+        if pending_weights(model) is not None and self.runner.compiles():
+            self.deferred_weights = pending_weights(model)
+
+            def prepare() -> CachedForward:
+                finish_weight_format(model)
+                return self.runner.compiled_forward()
+
+            self.pending_compile = prepare
+        else:
+            if pending_weights(model) is not None:  # no background compile to build them in
+                with startup.phase("weight_format"):
+                    finish_weight_format(model)
+            self.compiled = config.compile and self.runner.compile()
+            if self.compiled and config.compile_in_background:
+                forward = self.runner.forward
+                if hasattr(forward, "cached"):  # a CachedForward
+                    self.runner.forward, self.compiled = self.runner.model, False
+                    self.pending_compile = lambda: forward
         self.moe_stats = getattr(model, "moe_stats", None)
         """The routing counts of an MoE model (None for a dense one)."""
         self.sampler = Sampler(getattr(loaded.tokenizer, "eos_token_ids", ()) or ())
@@ -206,3 +235,13 @@ class EncoderCache:
         while self.bytes > self.max_bytes:
             _, gone = self.entries.popitem(last=False)
             self.bytes -= gone.numel() * gone.element_size()
+
+
+def _defers_batches(config: EngineConfig) -> bool:
+    """Whether the weight format may leave its int8 copies for batches (`gguf-int8`) to the
+    background compile's thread, after `/ready`: where the forward compiles in the background
+    from the on-disk cache (a server's start), ~1.5 s of a SmolLM2 start on 2 cores."""
+    from lifeline.model.compiled import compile_cache_dir
+
+    return (config.weights == "gguf-int8" and config.compile and config.compile_in_background
+            and compile_cache_dir() is not None)

@@ -93,14 +93,25 @@ class ModelRunner:
     def compile(self) -> bool:
         """Run the model's forward through `torch.compile` from now on, where its family
         supports it (lifeline.model.compiled); False where it does not."""
-        from lifeline.model.compiled import compile_forward, supports_compile
-
-        if self.device.type != "cpu" or not supports_compile(self.model):
+        if not self.compiles():
             return False
+        self.forward = self.compiled_forward()
+        return True
+
+    def compiles(self) -> bool:
+        """Whether the model's forward can run compiled here (a dense family, on the CPU)."""
+        from lifeline.model.compiled import supports_compile
+
+        return self.device.type == "cpu" and supports_compile(self.model)
+
+    def compiled_forward(self) -> Any:
+        """The model's forward through `torch.compile` (lifeline.model.compiled), not yet in
+        use; only where `compiles()`."""
+        from lifeline.model.compiled import compile_forward
+
         # the configuration less its name: models of one shape share their compiled graphs
         identity = repr(dataclasses.replace(self.config, name=""))
-        self.forward = compile_forward(self.model, identity=identity)
-        return True
+        return compile_forward(self.model, identity=identity)
 
     def slots(self, table: list[int], start: int, end: int) -> torch.Tensor:
         """Cache slots of positions [start, end); given-back window blocks (-1) read block 0,

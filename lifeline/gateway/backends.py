@@ -445,10 +445,11 @@ class LocalBackend(Backend):
         return self.state.load_error
 
     def _loader(self) -> Any:
-        from lifeline.model.loader import load_model
+        from lifeline.model.loader import lazy_load_for, load_model
 
-        model = self.spec.model
-        return lambda: load_model(None if model in (None, "default") else model)
+        model, engine = self.spec.model, self.spec.engine
+        lazy = engine is not None and lazy_load_for(engine.weights, engine.device)
+        return lambda: load_model(None if model in (None, "default") else model, lazy=lazy)
 
     def server_config(self) -> Any:
         return engine_server_config(self.spec, self.served_name)

@@ -51,6 +51,11 @@ class StoredTensor:
         """float32 rows `ids` (any shape of int64), shaped [*ids.shape, cols]."""
         return torch.ops.lifeline_gguf.gguf_get_rows(self.raw, self.qtype, ids, self.cols)
 
+    def dequantized(self) -> torch.Tensor:
+        """The whole tensor in float32, rows in the model's order: the dequantizer's values."""
+        ids = self.row_order if self.row_order is not None else torch.arange(self.raw.shape[0])
+        return self.rows(ids)
+
     @property
     def nbytes(self) -> int:
         return self.raw.numel()

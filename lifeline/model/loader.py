@@ -52,11 +52,15 @@ class LoadedModel:
     """A vision-language model's tower (lifeline.model.vision.VisionTower)."""
     load_seconds: float | None = None
     """How long `load_model` took (read and dequantize), for the start-up's phases."""
+    chat_template: str | None = None
+    """A GGUF file's own chat template, "" where it has none; None: not read (another kind of
+    checkpoint, whose template the server finds itself)."""
 
 
 def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
-                 norm_offset: float = 0.0) -> None:
-    """Assign tensors by name; every parameter must be given exactly once (tied heads aside)."""
+                 norm_offset: float = 0.0, lazy: Iterable[str] = ()) -> None:
+    """Assign tensors by name; every parameter must be given exactly once (tied heads aside),
+    but those named in `lazy`, left on the meta device (`load_gguf(lazy=True)`)."""
     params = dict(model.named_parameters(remove_duplicate=False))
     for name, tensor in weights:
         if name not in params:
@@ -70,9 +74,31 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     cfg: ModelConfig = model.config
     if cfg.tie_word_embeddings or model.lm_head.weight.is_meta:
         model.lm_head.weight = model.embed_tokens.weight
-    missing = [n for n, p in model.named_parameters() if p.is_meta]
+    lazy = set(lazy)
+    missing = [n for n, p in model.named_parameters() if p.is_meta and n not in lazy]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
+
+
+LAZY_FORMATS = ("gguf", "gguf-int8")
+"""The weight formats that compute from a GGUF file's blocks and need no float32 layers."""
+
+
+def lazy_load_for(weights: str | None, device: str | None) -> bool:
+    """Whether a model the engine will run in `weights` on `device` may load lazily
+    (`load_gguf(lazy=True)`): the CPU's formats that read the file's blocks."""
+    return weights in LAZY_FORMATS and (device or "cpu").partition(":")[0] == "cpu"
+
+
+def materialize_weights(model: nn.Module) -> None:
+    """Dequantize the weights a lazy load left in the file's blocks (`load_gguf(lazy=True)`),
+    for a use that needs float32 layers; nothing where none are left."""
+    lazy = getattr(model, "lazy_weights", None)
+    if not lazy:
+        return
+    for name, stored in lazy.items():
+        _set_param(model, name, stored.dequantized())
+    model.lazy_weights = {}
 
 
 def _set_param(model: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -110,12 +136,15 @@ def gguf_tensor_name(gguf_name: str) -> str:
     return f"layers.{layer}.{_GGUF_LAYER_NAMES.get(kind, kind)}.{suffix}"
 
 
-def _gguf_weights(gf, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_weights(gf, cfg: ModelConfig, skip: frozenset[str] = frozenset()
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
     ffn_norm = registry.family(cfg.architecture).gguf_ffn_norm
     for gguf_name in gf.tensor_names:
         if gguf_name.startswith("rope_freqs"):
             continue
         name = gguf_tensor_name(gguf_name).replace("ffn_norm", ffn_norm)
+        if name in skip:
+            continue
         tensor = gf.load(gguf_name)
         if cfg.architecture == "llama" and re.search(r"attn_[qk]\.weight", gguf_name):
             heads = cfg.num_heads if "attn_q" in gguf_name else cfg.num_kv_heads
@@ -150,10 +179,15 @@ def _stored_tensors(gf: GGUFFile, cfg: ModelConfig) -> dict[str, StoredTensor]:
     return stored
 
 
-def load_gguf(path: str | Path, dummy: bool = False, device: str | None = None
-              ) -> LoadedModel:
+def load_gguf(path: str | Path, dummy: bool = False, device: str | None = None,
+              lazy: bool = False) -> LoadedModel:
     """`device`: where dummy weights are drawn (`init_dummy_weights`); real ones are
-    dequantized on the CPU, and the engine places them."""
+    dequantized on the CPU, and the engine places them. `lazy`: the layers' weights that the
+    GGUF kernels read are not dequantized here but left on the meta device
+    (`model.lazy_weights`, name -> stored tensor), for a weight format that computes from the
+    file's blocks (`gguf`, `gguf-int8`, which dequantizes a layer only to quantize it to int8,
+    lifeline.model.weight_format); any other use calls `materialize_weights` first (the
+    engine does). The read of a 2-core start: 0.7 s of SmolLM2's 1.5, ~2 s of Gemma 3's."""
     gf = GGUFFile(path)
     cfg = config_from_gguf_header(gf.metadata, {n: gf.tensor_shape(n) for n in gf.tensor_names})
     if not dummy:
@@ -164,11 +198,16 @@ def load_gguf(path: str | Path, dummy: bool = False, device: str | None = None
     if dummy:
         init_dummy_weights(model, device=device)
     else:
-        load_weights(model, _gguf_weights(gf, cfg))
-        model.stored_tensors = _stored_tensors(gf, cfg)
+        stored = _stored_tensors(gf, cfg)
+        skip = frozenset(n for n in stored if lazy and n.startswith("layers."))
+        load_weights(model, _gguf_weights(gf, cfg, skip), lazy=skip)
+        model.stored_tensors = stored
+        model.lazy_weights = {n: stored[n] for n in skip}
         gf.release_pages()
     types = sorted({gf.tensor_type(n).name for n in gf.tensor_names})
-    return LoadedModel(model.eval(), cfg, tokenizer, str(path), "gguf:" + "+".join(types))
+    template = gf.metadata.get("tokenizer.chat_template")
+    return LoadedModel(model.eval(), cfg, tokenizer, str(path), "gguf:" + "+".join(types),
+                       chat_template=template if isinstance(template, str) else "")
 
 
 def _hf_weights(path: Path, vision: dict[str, torch.Tensor] | None = None
@@ -244,17 +283,20 @@ def attach_tokenizer(loaded: LoadedModel, path: str | Path) -> None:
 
 
 def load_model(path: str | Path | None = None, dummy: bool = False,
-               device: str | None = None) -> LoadedModel:
+               device: str | None = None, lazy: bool = False) -> LoadedModel:
     """A GGUF file, a Hugging Face directory, `preset:NAME` (random weights), or a model's name
     (lifeline.model.default.NAMED_MODELS: `gemma-3-270m`, `smollm2-135m-instruct`). `device`:
-    where random weights are drawn (the device the engine will run on)."""
+    where random weights are drawn (the device the engine will run on). `lazy`: a GGUF file's
+    layer weights left in its blocks until a weight format needs them (`load_gguf`; where
+    `lazy_load_for` says so)."""
     start = time.perf_counter()
-    loaded = _load_model(path, dummy, device)
+    loaded = _load_model(path, dummy, device, lazy)
     loaded.load_seconds = time.perf_counter() - start
     return loaded
 
 
-def _load_model(path: str | Path | None, dummy: bool, device: str | None) -> LoadedModel:
+def _load_model(path: str | Path | None, dummy: bool, device: str | None,
+                lazy: bool = False) -> LoadedModel:
     if isinstance(path, str) and path.startswith("preset:"):
         return load_preset(path.removeprefix("preset:"), device=device)
     if path is None:
@@ -265,5 +307,5 @@ def _load_model(path: str | Path | None, dummy: bool, device: str | None) -> Loa
     if path.is_dir():
         return load_hf(path, dummy, device)
     if path.suffix == ".gguf" or path.is_file():
-        return load_gguf(path, dummy, device)
+        return load_gguf(path, dummy, device, lazy=lazy)
     raise FileNotFoundError(f"no model at {path}: expected a .gguf file or a Hugging Face directory")

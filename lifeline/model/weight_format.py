@@ -39,6 +39,8 @@ positions and parts from llama.cpp's greedy text at a clear preference on one fi
 from __future__ import annotations
 
 import os
+import threading
+import time
 import warnings
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -248,7 +250,8 @@ class RowSplitLinear(nn.Module):
     step reads are the file's 4-5 bits a weight, not int8's 8), two rows or more (a batch, a
     prefill) through the int8 GEMM (`Int8Linear`, oneDNN's copy only where the CPU has it).
     Both compute W x (the int8 one rotates its input itself), so the two may alternate within
-    a request: its prefill batched, its decode alone."""
+    a request: its prefill batched, its decode alone. Until `batch` is built (a server's start
+    defers it: `apply_weight_format(defer_batches=True)`), batches take `lone` too."""
 
     def __init__(self, lone: nn.Module, batch: Int8Linear | None = None):
         super().__init__()
@@ -259,7 +262,8 @@ class RowSplitLinear(nn.Module):
         rows = 1
         for size in x.shape[:-1]:
             rows = rows * size
-        return self.lone(x) if rows == 1 else self.batch(x)
+        batch = self.batch
+        return self.lone(x) if rows == 1 or batch is None else batch(x)
 
 
 @cache
@@ -454,12 +458,16 @@ def fbgemm_saturates() -> bool:
     return False
 
 
-def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
+def apply_weight_format(model: nn.Module, fmt: str, defer_batches: bool = False) -> nn.Module:
     """Replace `model.lm_head` in place (embeddings tied to it keep their float32 copy);
     `int8-all` also every projection of every layer (int8 weights, per-row activation scales,
     no float32 rescoring: a layer's outputs are not a ranking), the projections the model's
     family declares fusable stacked into one GEMM each: each call into fbgemm costs more
-    than its bytes."""
+    than its bytes.
+
+    `defer_batches` (`gguf-int8`): leave the int8 copies for batches to `finish_weight_format`
+    (a server's start builds them after `/ready`, in the background: lifeline.engine.
+    background_compile); until then a batch runs from the file's blocks, as `gguf` does."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format {fmt!r}; choose from {WEIGHT_FORMATS}")
     done = getattr(model, "applied_weight_format", None)
@@ -468,6 +476,10 @@ def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
     if done is not None:
         raise ValueError(f"this model's weights are already {done}; load it again for {fmt}")
     applied = fmt
+    if fmt not in ("gguf", "gguf-int8"):
+        from lifeline.model.loader import materialize_weights
+
+        materialize_weights(model)  # float32 layers, where a lazy load left none
     if fmt == "gguf-int8" and not getattr(model, "stored_tensors", None):
         fmt = "int8-all"  # no blocks the kernels read (not a GGUF, or float tensors only)
     head = model.lm_head
@@ -502,11 +514,57 @@ def apply_weight_format(model: nn.Module, fmt: str) -> nn.Module:
 
         tasks += [partial(quantize, layer) for layer in model.layers]
     elif fmt in ("gguf", "gguf-int8"):
-        tasks += _as_stored(model, batches=fmt == "gguf-int8")
+        later: list[Callable[[], None]] | None = [] if defer_batches else None
+        tasks += _as_stored(model, batches=fmt == "gguf-int8", later=later)
+        if later:
+            model.deferred_weights = DeferredWeights(later)
     _on_threads(lambda task: task(), tasks)
     if fmt != "fp32":
         model.applied_weight_format = applied
     return model
+
+
+class DeferredWeights:
+    """The weight format's conversions left for later (`apply_weight_format(defer_batches=
+    True)`), run once by whichever caller comes first (`finish_weight_format`)."""
+
+    def __init__(self, tasks: list[Callable[[], None]]):
+        self.tasks = tasks
+        self.seconds: float | None = None
+        self._lock = threading.Lock()
+        self._cancelled = False
+
+    def cancel(self) -> None:
+        """Skip the conversions not yet begun (a server stopping within its start: the
+        interpreter must not exit under a conversion, which aborts it). Batches keep taking
+        the file's blocks where their copy was not built."""
+        self._cancelled = True
+
+    def run(self) -> float:
+        """Run the conversions (once: a later call waits for the first) and hand the float32
+        copies they replace back to the system; the seconds they took."""
+        with self._lock:
+            if self.seconds is None:
+                start = time.perf_counter()
+                tasks, self.tasks = self.tasks, []
+                _on_threads(lambda task: None if self._cancelled else task(), tasks)
+                del tasks  # the float32 weights the tasks held
+                release_freed_memory()
+                self.seconds = time.perf_counter() - start
+            return self.seconds
+
+
+def pending_weights(model: nn.Module) -> DeferredWeights | None:
+    """The conversions `apply_weight_format(defer_batches=True)` left, until they have run."""
+    deferred = getattr(model, "deferred_weights", None)
+    return deferred if deferred is not None and deferred.seconds is None else None
+
+
+def finish_weight_format(model: nn.Module) -> float:
+    """Run what `apply_weight_format(defer_batches=True)` left (nothing where it left
+    nothing); the seconds it took."""
+    deferred = getattr(model, "deferred_weights", None)
+    return deferred.run() if deferred is not None else 0.0
 
 
 def _workers() -> int:
@@ -526,7 +584,8 @@ def _on_threads(fn: Callable[[Any], Any], items: list[Any]) -> list[Any]:
         return list(pool.map(fn, items))
 
 
-def _as_stored(model: nn.Module, batches: bool = False) -> list[Callable[[], None]]:
+def _as_stored(model: nn.Module, batches: bool = False,
+               later: list[Callable[[], None]] | None = None) -> list[Callable[[], None]]:
     """`gguf`: every projection and the input embedding computed from the GGUF file's own
     blocks (`GGUFLinear`, `StoredEmbedding`), the head as `int8`'s; the projections a family
     fuses are stacked where they share a block type. A tensor the kernels cannot read (a float or
@@ -535,7 +594,8 @@ def _as_stored(model: nn.Module, batches: bool = False) -> list[Callable[[], Non
     `batches` (`gguf-int8`): the same for lone rows, and each projection also quantized to
     int8 for batches (`RowSplitLinear`), a float32 one wholly (as `int8-all`, without folding
     the value rotation: both copies must leave the same values in the KV cache). Returns the
-    quantizations still to do (the caller runs them on threads)."""
+    quantizations still to do (the caller runs them on threads); those of the copies for
+    batches go to `later` instead where it is given."""
     head = model.lm_head
     if head.weight.device.type != "cpu":
         raise ValueError("weights as stored (gguf) run on the CPU only")
@@ -549,12 +609,23 @@ def _as_stored(model: nn.Module, batches: bool = False) -> list[Callable[[], Non
     # the int8 GEMM reads Gemma 3's 262k x 640 head in 6.3 ms where the Q8_0 kernel takes 15.9
     # (docs/performance.md), and its bytes are the size of the file's Q8_0 rows, which
     # the embedding then touches only for the tokens it looks up.
-    model.lm_head = Int8Linear(head, rotate=rotation_block(head.in_features),
-                               stored=vocab.get("lm_head.weight"), one_copy=True)
+    head_rows = vocab.get("lm_head.weight")
+
+    def quantize_head() -> None:
+        model.lm_head = Int8Linear(head, rotate=rotation_block(head.in_features),
+                                   stored=head_rows, one_copy=True)
+
+    tasks: list[Callable[[], None]] = []
+    batch_tasks = tasks if later is None else later
+    if later is not None and head_rows is not None and head.bias is None:
+        # 3.4 s of Gemma 3's start on 2 cores: meanwhile the head reads the file's rows
+        model.lm_head = GGUFLinear.stack([head_rows])
+        later.append(quantize_head)
+    else:
+        quantize_head()
     if "embed_tokens.weight" in vocab:
         model.embed_tokens = StoredEmbedding(vocab["embed_tokens.weight"])
     fusable = family_of(model).fused
-    tasks: list[Callable[[], None]] = []
     for i, layer in enumerate(model.layers):
         for parent_name, parent in layer.named_children():
             prefix = f"layers.{i}.{parent_name}."
@@ -565,7 +636,9 @@ def _as_stored(model: nn.Module, batches: bool = False) -> list[Callable[[], Non
                                                         for lin in linears):
                     continue
                 if batches:  # one int8 GEMM for a batch, whatever the file's types
-                    projection = _split(_stored_runs(parts, linears), _stacked(linears), tasks)
+                    lone = _stored_runs(parts, linears)
+                    projection = _split(lone, partial(_stacked, linears, parts, lone),
+                                        batch_tasks)
                 elif len({p.qtype for p in parts}) == 1:
                     projection = GGUFLinear.stack(parts, _stacked_bias(linears))
                 else:
@@ -581,7 +654,8 @@ def _as_stored(model: nn.Module, batches: bool = False) -> list[Callable[[], Non
                 if part is not None:
                     stored_layer = GGUFLinear.stack([part], child.bias)
                     setattr(parent, name,
-                            _split(stored_layer, child, tasks) if batches else stored_layer)
+                            _split(stored_layer, partial(_float_layer, child, part, stored_layer),
+                                   batch_tasks) if batches else stored_layer)
                 elif batches:
                     def quantize(parent=parent, name=name, child=child) -> None:
                         setattr(parent, name, Int8Linear(
@@ -595,6 +669,7 @@ def _as_stored(model: nn.Module, batches: bool = False) -> list[Callable[[], Non
         if isinstance(module, GGUFLinear):
             module.parts = ()
     model.stored_tensors = {}  # the layers hold what they use
+    model.lazy_weights = {}  # those left lazy are dequantized by the tasks that need them
     return tasks
 
 
@@ -633,14 +708,15 @@ class ConcatLinear(nn.Module):
         return torch.cat([layer(x) for layer in self.layers], dim=-1)
 
 
-def _split(lone: nn.Module, linear: nn.Linear, tasks: list[Callable[[], None]]
+def _split(lone: nn.Module, linear: Callable[[], nn.Linear], tasks: list[Callable[[], None]]
            ) -> RowSplitLinear:
-    """`lone` for lone rows, and a task that quantizes `linear` to int8 for batches."""
+    """`lone` for lone rows, and a task that quantizes `linear()` to int8 for batches."""
     split = RowSplitLinear(lone)
 
     def quantize() -> None:
-        split.batch = Int8Linear(linear, rescore_top=0, rotate=rotation_block(linear.in_features),
-                                 batches_only=True)
+        float_layer = linear()
+        split.batch = Int8Linear(float_layer, rescore_top=0,
+                                 rotate=rotation_block(float_layer.in_features), batches_only=True)
 
     tasks.append(quantize)
     return split
@@ -703,9 +779,34 @@ def _fuse(parent: nn.Module, fused: str, names: tuple[str, ...]) -> None:
         delattr(parent, name)
 
 
-def _stacked(parts: list[nn.Linear]) -> nn.Linear:
-    """One float32 layer over `parts`' rows (their biases stacked, zeros for a part without)."""
-    weight = torch.cat([part.weight.detach() for part in parts])
+def _float_weight(linear: nn.Linear, stored: StoredTensor | None, lone: nn.Module | None
+                  ) -> torch.Tensor:
+    """`linear`'s float32 weight: as loaded, or dequantized from `stored` where a lazy load
+    left it in the file's blocks (`load_gguf(lazy=True)`); their pages then leave the
+    process's memory again where `lone` holds a copy of them rather than the file's view."""
+    if not linear.weight.is_meta:
+        return linear.weight.detach()
+    weight = stored.dequantized()
+    in_place = any(isinstance(m, GGUFLinear) and m.raw.data_ptr() == stored.raw.data_ptr()
+                   for m in (lone.modules() if lone is not None else ()))
+    if not in_place:
+        stored.release_pages()
+    return weight
+
+
+def _float_layer(linear: nn.Linear, stored: StoredTensor, lone: nn.Module) -> nn.Linear:
+    """`linear` with its float32 weight (`_float_weight`)."""
+    if linear.weight.is_meta:
+        linear.weight = nn.Parameter(_float_weight(linear, stored, lone), requires_grad=False)
+    return linear
+
+
+def _stacked(parts: list[nn.Linear], stored: list[StoredTensor] | None = None,
+             lone: nn.Module | None = None) -> nn.Linear:
+    """One float32 layer over `parts`' rows (their biases stacked, zeros for a part without);
+    a part a lazy load left in the file's blocks is dequantized from `stored` (`_float_weight`)."""
+    weight = torch.cat([_float_weight(part, stored[i] if stored else None, lone)
+                        for i, part in enumerate(parts)])
     # made on the meta device: a real one would draw random weights only to drop them
     stacked = nn.Linear(weight.shape[1], weight.shape[0],
                         bias=any(part.bias is not None for part in parts), device="meta")

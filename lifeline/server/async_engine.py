@@ -337,7 +337,8 @@ def _model_info(engine: LLMEngine) -> ModelInfo:
         kv_bytes_per_token=round(kv_bytes_per_token(cfg, engine.config.kv_dtype_bytes,
                                                     cfg.num_layers)),
         kv_pool_bytes=round(engine.kv_layout.total_bytes),
-        startup=MappingProxyType(engine.startup.ordered()))
+        startup=MappingProxyType(engine.startup.ordered()),
+        chat_template=getattr(loaded, "chat_template", None))
 
 
 def _call(loop: asyncio.AbstractEventLoop, fn: Callable[..., None], *args: Any) -> bool:

@@ -118,7 +118,9 @@ class ChatFrontend:
             self.fetch_policy = FetchPolicy(tuple(config.allowed_media_domains),
                                             config.max_image_bytes, config.media_fetch_timeout_s)
         self.template = resolve_template(
-            template_file=config.chat_template, gguf_template=_gguf_template(model.source),
+            template_file=config.chat_template,
+            gguf_template=(_gguf_template(model.source) if model.chat_template is None
+                           else model.chat_template or None),
             hf_dir=model.source if Path(model.source).is_dir() else None,
             family=builtin_family(model.architecture),
             bos_token=self._special_text("bos_token_id"),

@@ -50,6 +50,9 @@ class ModelInfo:
     """The KV pools' size (every cache group's blocks)."""
     startup: Any = None
     """Phase -> seconds of the engine's start (lifeline.engine.startup); None: not known."""
+    chat_template: str | None = None
+    """The GGUF file's chat template as the loader read it ("" where it has none); None: not
+    read (the chat frontend reads the file's itself)."""
 
     @property
     def limits(self) -> ModelLimits:
