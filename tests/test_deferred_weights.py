@@ -55,20 +55,23 @@ def _follows_llamacpp(llm: LLM) -> None:
 
 def test_a_lazy_load_dequantizes_on_demand_to_the_loaders_own_values():
     """The layers a lazy load leaves in the file's blocks are the eager load's float32 values
-    once materialized (the kernels' row decoder is the dequantizer, bit for bit); the vocabulary
-    and the norms load as before."""
+    once materialized (the kernels' row decoder is the dequantizer, bit for bit), the head tied
+    to the embedding again; the norms load as before."""
     path = smollm2_model_path()
     lazy = load_model(path, lazy=True).model
     plain = load_model(path).model
     left = {n for n, p in lazy.named_parameters() if p.is_meta}
     assert left == set(lazy.lazy_weights) and left, sorted(left)[:3]
-    assert all(n.startswith("layers.") and n.endswith("_proj.weight") for n in left)
+    assert "embed_tokens.weight" in left  # the head is tied to it: its rows, read once
+    assert all(n.startswith("layers.") and n.endswith("_proj.weight")
+               for n in left - {"embed_tokens.weight"})
     materialize_weights(lazy)
     assert not lazy.lazy_weights
     ours, theirs = dict(lazy.named_parameters()), dict(plain.named_parameters())
     assert ours.keys() == theirs.keys()
     for name, value in theirs.items():
         assert torch.equal(ours[name], value), name
+    assert lazy.lm_head.weight is lazy.embed_tokens.weight
 
 
 def test_a_start_serves_from_the_blocks_then_runs_the_whole_format(tmp_path, monkeypatch):

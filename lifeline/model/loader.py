@@ -72,7 +72,8 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
             tensor = tensor + norm_offset
         _set_param(model, name, tensor)
     cfg: ModelConfig = model.config
-    if cfg.tie_word_embeddings or model.lm_head.weight.is_meta:
+    if cfg.tie_word_embeddings or (model.lm_head.weight.is_meta
+                                   and "lm_head.weight" not in lazy):
         model.lm_head.weight = model.embed_tokens.weight
     lazy = set(lazy)
     missing = [n for n, p in model.named_parameters() if p.is_meta and n not in lazy]
@@ -98,6 +99,8 @@ def materialize_weights(model: nn.Module) -> None:
         return
     for name, stored in lazy.items():
         _set_param(model, name, stored.dequantized())
+    if model.lm_head.weight.is_meta:  # tied to the embedding, which is loaded now
+        model.lm_head.weight = model.embed_tokens.weight
     model.lazy_weights = {}
 
 
@@ -182,12 +185,14 @@ def _stored_tensors(gf: GGUFFile, cfg: ModelConfig) -> dict[str, StoredTensor]:
 def load_gguf(path: str | Path, dummy: bool = False, device: str | None = None,
               lazy: bool = False) -> LoadedModel:
     """`device`: where dummy weights are drawn (`init_dummy_weights`); real ones are
-    dequantized on the CPU, and the engine places them. `lazy`: the layers' weights that the
-    GGUF kernels read are not dequantized here but left on the meta device
+    dequantized on the CPU, and the engine places them. `lazy`: the layers' weights, the
+    embedding and the head that the GGUF kernels read are not dequantized here but left on
+    the meta device
     (`model.lazy_weights`, name -> stored tensor), for a weight format that computes from the
     file's blocks (`gguf`, `gguf-int8`, which dequantizes a layer only to quantize it to int8,
     lifeline.model.weight_format); any other use calls `materialize_weights` first (the
-    engine does). The read of a 2-core start: 0.7 s of SmolLM2's 1.5, ~2 s of Gemma 3's."""
+    engine does). The read of a 2-core start: 0.7 s of SmolLM2's 1.5, ~2 s of Gemma 3's
+    (and Gemma 3's 671 MB float32 vocabulary, which only the int8 head's quantization reads)."""
     gf = GGUFFile(path)
     cfg = config_from_gguf_header(gf.metadata, {n: gf.tensor_shape(n) for n in gf.tensor_names})
     if not dummy:
@@ -199,7 +204,8 @@ def load_gguf(path: str | Path, dummy: bool = False, device: str | None = None,
         init_dummy_weights(model, device=device)
     else:
         stored = _stored_tensors(gf, cfg)
-        skip = frozenset(n for n in stored if lazy and n.startswith("layers."))
+        skip = frozenset(n for n in stored if lazy and (
+            n.startswith("layers.") or n in ("embed_tokens.weight", "lm_head.weight")))
         load_weights(model, _gguf_weights(gf, cfg, skip), lazy=skip)
         model.stored_tensors = stored
         model.lazy_weights = {n: stored[n] for n in skip}

@@ -597,7 +597,7 @@ def _as_stored(model: nn.Module, batches: bool = False,
     quantizations still to do (the caller runs them on threads); those of the copies for
     batches go to `later` instead where it is given."""
     head = model.lm_head
-    if head.weight.device.type != "cpu":
+    if head.weight.device.type not in ("cpu", "meta"):  # meta: a lazy load's (load_gguf)
         raise ValueError("weights as stored (gguf) run on the CPU only")
     stored = dict(getattr(model, "stored_tensors", None) or {})
     if not stored:
@@ -612,7 +612,8 @@ def _as_stored(model: nn.Module, batches: bool = False,
     head_rows = vocab.get("lm_head.weight")
 
     def quantize_head() -> None:
-        model.lm_head = Int8Linear(head, rotate=rotation_block(head.in_features),
+        float_head = _float_layer(head, head_rows, model.embed_tokens)
+        model.lm_head = Int8Linear(float_head, rotate=rotation_block(head.in_features),
                                    stored=head_rows, one_copy=True)
 
     tasks: list[Callable[[], None]] = []
@@ -733,7 +734,7 @@ def _stored(model: nn.Module, head: nn.Module) -> dict[str, StoredTensor]:
     elif head.weight is embed.weight and "embed_tokens.weight" in stored:
         stored["lm_head.weight"] = stored["embed_tokens.weight"]
     if embed is not None and getattr(embed, "weight", None) is not None and \
-            embed.weight.device.type != "cpu":
+            embed.weight.device.type not in ("cpu", "meta"):
         return {}
     return stored
 
