@@ -225,11 +225,11 @@ def compile_cache_dir() -> Path | None:
     """Where compiled graphs are kept: `$LIFELINE_CACHE_DIR/compiled`, by default
     `~/.cache/lifeline/compiled` (`$XDG_CACHE_HOME` where set); None with
     `LIFELINE_COMPILE_CACHE=0`."""
+    from lifeline.tokenizer.cache import cache_root
+
     if os.environ.get("LIFELINE_COMPILE_CACHE", "1").strip().lower() in ("0", "false", "off", "no"):
         return None
-    root = os.environ.get("LIFELINE_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache"), "lifeline")
-    return Path(root) / "compiled"
+    return cache_root() / "compiled"
 
 
 @functools.cache

@@ -33,10 +33,13 @@ TOKENIZER_ARRAYS = frozenset((
 class GGUFFile:
     """Tensor shapes are in PyTorch order: GGUF's [ne0, ne1] is torch's [ne1, ne0]."""
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], skip_tokenizer: bool = False):
+        """`skip_tokenizer`: step over the vocabulary-sized arrays (`TOKENIZER_ARRAYS`) without
+        decoding them, for a caller that has the tokenizer already (lifeline.tokenizer.cache)."""
         self.path = os.fspath(path)
         try:
-            self.reader = GGUFReader(self.path)
+            self.reader = GGUFReader(self.path,
+                                     skip=tuple(TOKENIZER_ARRAYS) if skip_tokenizer else ())
         except (ValueError, IndexError, OverflowError, struct.error, UnicodeDecodeError) as exc:
             raise CorruptGGUF(f"{self.path}: truncated or corrupt GGUF file ({exc})") from None
         if self.reader.byte_order != "<":

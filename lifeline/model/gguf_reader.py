@@ -176,6 +176,17 @@ class GGUFReader:
             if item in _SCALARS:
                 self._room(count * struct.calcsize(_SCALARS[item]), "an array")
                 self._pos += count * struct.calcsize(_SCALARS[item])
+            elif item == STRING:  # a vocabulary's 262,144 strings: lengths only, in one loop
+                self._room(count * 8, "an array")
+                buf, pos, end = self._buf, self._pos, self._end
+                unpack = struct.Struct(self.byte_order + "Q").unpack_from
+                for _ in range(count):
+                    if pos + 8 > end:
+                        raise ValueError("an array of strings runs past the end of the file")
+                    pos += 8 + unpack(buf, pos)[0]
+                if pos > end:
+                    raise ValueError("an array of strings runs past the end of the file")
+                self._pos = pos
             else:
                 self._room(count * 8, "an array")
                 for _ in range(count):

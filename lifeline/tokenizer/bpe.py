@@ -162,6 +162,15 @@ class ByteLevelBPE:
         self._spell = bytes_to_unicode()
         self.encode_word = lru_cache(maxsize=WORD_CACHE)(self._encode_word)
 
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        del state["encode_word"]  # a cache of this instance's own: rebuilt, empty
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.encode_word = lru_cache(maxsize=WORD_CACHE)(self._encode_word)
+
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
         for word in pre_tokenize(text, self._splits):
