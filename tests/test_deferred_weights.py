@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from lifeline import LLM, SamplingParams
+from lifeline import LLM
 from lifeline.engine.background_compile import engine_building, engine_built
 from lifeline.model.compiled import compile_forward
 from lifeline.model.default import smollm2_model_path
@@ -31,26 +31,9 @@ from lifeline.model.weight_format import (
     pending_weights,
 )
 from lifeline.server.testing import free_port
+from tests.test_smollm2_reference import assert_follows_llamacpp_greedy
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _follows_llamacpp(llm: LLM) -> None:
-    """Greedy text as llama-server's on the same file, but where its own top choices are a
-    near tie (tests/test_smollm2_reference.py's margin)."""
-    from tests.test_smollm2_reference import FIXTURES, LLAMACPP_TIE_MARGIN, PROMPTS
-
-    n = FIXTURES["settings"]["max_new_tokens"]
-    for name, prompt in sorted(PROMPTS.items()):
-        ours = llm.generate({"prompt_token_ids": prompt["prompt_ids"]},
-                            SamplingParams(max_tokens=n, temperature=0))[0].token_ids
-        theirs = prompt["completion_ids"]
-        part = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-        if part is None:
-            continue
-        top, logprobs = prompt["steps_top_ids"][part], prompt["steps_top_logprobs"][part]
-        assert ours[part] in top[:3], (name, part)
-        assert logprobs[0] - logprobs[top.index(ours[part])] < LLAMACPP_TIE_MARGIN, (name, part)
 
 
 def test_a_lazy_load_dequantizes_on_demand_to_the_loaders_own_values():
@@ -91,7 +74,7 @@ def test_a_start_serves_from_the_blocks_then_runs_the_whole_format(tmp_path, mon
             assert isinstance(model.lm_head, GGUFLinear)
             assert not [n for n, p in model.named_parameters() if p.is_meta]
             assert not [m for m in model.layers.modules() if type(m) is nn.Linear]
-            _follows_llamacpp(llm)  # prefills (batches) and decodes, all from the blocks
+            assert_follows_llamacpp_greedy(llm)  # prefills (batches) and decodes, all from the blocks
         finally:
             engine_built()
         compile = engine.background_compile
@@ -114,7 +97,7 @@ def test_a_start_serves_from_the_blocks_then_runs_the_whole_format(tmp_path, mon
             assert torch.equal(ours(x[:1]), theirs(x[:1]))
         hidden = torch.randn(2, model.config.hidden_size, generator=gen)
         assert torch.equal(model.lm_head(hidden), whole.lm_head(hidden))
-        _follows_llamacpp(llm)
+        assert_follows_llamacpp_greedy(llm)
     finally:
         engine.close()
     assert compile._proc is not None and compile._proc.poll() is not None  # no child left

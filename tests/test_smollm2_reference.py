@@ -52,6 +52,22 @@ LLAMACPP_TIE_MARGIN = 0.4
 llama.cpp's, each side may prefer its own pick by less than this many logits."""
 
 
+def assert_follows_llamacpp_greedy(llm) -> None:
+    """`llm`'s greedy text on the fixture prompts is llama-server's on the same file, but where
+    llama.cpp's own top choices are a near tie (`LLAMACPP_TIE_MARGIN`) at the first parting."""
+    n = FIXTURES["settings"]["max_new_tokens"]
+    for name, prompt in sorted(PROMPTS.items()):
+        ours = llm.generate({"prompt_token_ids": prompt["prompt_ids"]},
+                            SamplingParams(max_tokens=n, temperature=0))[0].token_ids
+        theirs = prompt["completion_ids"]
+        part = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        if part is None:
+            continue
+        top, logprobs = prompt["steps_top_ids"][part], prompt["steps_top_logprobs"][part]
+        assert ours[part] in top[:3], (name, part)
+        assert logprobs[0] - logprobs[top.index(ours[part])] < LLAMACPP_TIE_MARGIN, (name, part)
+
+
 @pytest.fixture(scope="module")
 def loaded():
     return load_model(SMOLLM2_MODEL_ID)

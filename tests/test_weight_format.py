@@ -256,7 +256,7 @@ def test_weights_as_stored_follow_llamacpp_on_smollm2_up_to_ties():
     tie (its logprob margin, as tests/test_smollm2_reference.py allows)."""
     from lifeline.model.default import smollm2_model_path
     from lifeline.model.gguf_rows import GGUFLinear
-    from tests.test_smollm2_reference import FIXTURES, LLAMACPP_TIE_MARGIN, PROMPTS
+    from tests.test_smollm2_reference import assert_follows_llamacpp_greedy
 
     llm = LLM(load_model(smollm2_model_path()), weights="gguf")
     model = llm.loaded.model
@@ -266,17 +266,7 @@ def test_weights_as_stored_follow_llamacpp_on_smollm2_up_to_ties():
     assert len(stored) == 4 * len(model.layers)  # qkv, o, gate_up, down
     # Q4_1: every layer repacked, eight rows interleaved (the one-row product's layout)
     assert all(m.qtype != m.stored_qtype for m in stored)
-    n = FIXTURES["settings"]["max_new_tokens"]
-    for name, prompt in sorted(PROMPTS.items()):
-        ours = llm.generate({"prompt_token_ids": prompt["prompt_ids"]},
-                            SamplingParams(max_tokens=n, temperature=0))[0].token_ids
-        theirs = prompt["completion_ids"]
-        part = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
-        if part is None:
-            continue
-        top, logprobs = prompt["steps_top_ids"][part], prompt["steps_top_logprobs"][part]
-        assert ours[part] in top[:3], (name, part)
-        assert logprobs[0] - logprobs[top.index(ours[part])] < LLAMACPP_TIE_MARGIN, (name, part)
+    assert_follows_llamacpp_greedy(llm)
 
 
 def test_weights_as_stored_need_a_gguf_file(tmp_path):

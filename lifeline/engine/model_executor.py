@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lifeline.engine.executor import MoECounts, ModelOutput, TokenLogprobs
+from lifeline.engine.executor import ModelOutput, MoECounts, TokenLogprobs
 from lifeline.engine.kv_layout import KVLayout
 from lifeline.engine.model_runner import ModelRunner, StepInputs
 from lifeline.engine.prompt_logprobs import gather_prompt_logprobs
