@@ -83,7 +83,9 @@ class ModelExecutor:
         them first: the compiled graphs, and their key, are those of the whole format."""
         self.deferred_weights: DeferredWeights | None = None
         """The weight format's copies for batches that `pending_compile` builds first."""
-        if pending_weights(model) is not None and self.runner.compiles():
+        if (pending_weights(model) is not None and _defers_batches(config)
+                and self.runner.compiles()):  # (a model shared with an engine that deferred
+            # them is built here before this engine runs, unless it compiles in the background)
             self.deferred_weights = pending_weights(model)
 
             def prepare() -> CachedForward:
