@@ -83,10 +83,11 @@ class ModelExecutor:
         them first: the compiled graphs, and their key, are those of the whole format."""
         self.deferred_weights: DeferredWeights | None = None
         """The weight format's copies for batches that `pending_compile` builds first."""
-        if (pending_weights(model) is not None and _defers_batches(config)
-                and self.runner.compiles()):  # (a model shared with an engine that deferred
-            # them is built here before this engine runs, unless it compiles in the background)
-            self.deferred_weights = pending_weights(model)
+        pending = pending_weights(model)
+        if pending is not None and _defers_batches(config) and self.runner.compiles():
+            # (a model shared with an engine that deferred them: built here before this
+            # engine runs, unless it compiles in the background)
+            self.deferred_weights = pending
 
             def prepare() -> CachedForward:
                 finish_weight_format(model)
@@ -94,7 +95,7 @@ class ModelExecutor:
 
             self.pending_compile = prepare
         else:
-            if pending_weights(model) is not None:  # no background compile to build them in
+            if pending is not None:  # no background compile to build them in
                 with startup.phase("weight_format"):
                     finish_weight_format(model)
             self.compiled = config.compile and self.runner.compile()

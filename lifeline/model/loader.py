@@ -62,6 +62,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                  norm_offset: float = 0.0, lazy: Iterable[str] = ()) -> None:
     """Assign tensors by name; every parameter must be given exactly once (tied heads aside),
     but those named in `lazy`, left on the meta device (`load_gguf(lazy=True)`)."""
+    lazy = set(lazy)
     params = dict(model.named_parameters(remove_duplicate=False))
     for name, tensor in weights:
         if name not in params:
@@ -76,7 +77,6 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
     if cfg.tie_word_embeddings or (model.lm_head.weight.is_meta
                                    and "lm_head.weight" not in lazy):
         model.lm_head.weight = model.embed_tokens.weight
-    lazy = set(lazy)
     missing = [n for n, p in model.named_parameters() if p.is_meta and n not in lazy]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:3]}")
