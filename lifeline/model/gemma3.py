@@ -26,13 +26,14 @@ class Gemma3Attention(nn.Module):
         window = cfg.sliding_window if cfg.layer_types[layer_idx] == "sliding" else None
         self.attn = PagedAttention(layer_idx, cfg.attn_scale, window)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = project(self, x, *QKV)
         q = self.q_norm(q.reshape(n, self.num_heads, self.head_dim))
         k = self.k_norm(k.reshape(n, self.num_kv_heads, self.head_dim))
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(q, k, rope)
         o = self.attn(q, k, v)
         return self.o_proj(o.reshape(n, -1))
 
@@ -48,8 +49,9 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), positions)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                ) -> torch.Tensor:
+        h = self.self_attn(self.input_layernorm(x), rope)
         x = x + self.post_attention_layernorm(h)
         h = self.mlp(self.pre_feedforward_layernorm(x))
         return x + self.post_feedforward_layernorm(h)
@@ -70,6 +72,7 @@ class Gemma3ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(
             Gemma3DecoderLayer(cfg, i, self.rotary_local if t == "sliding" else self.rotary_global)
             for i, t in enumerate(cfg.layer_types))
+        self.sliding = tuple(t == "sliding" for t in cfg.layer_types)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = linear(cfg.hidden_size, cfg.vocab_size)
         self.embed_scale = cfg.hidden_size ** 0.5
@@ -83,8 +86,9 @@ class Gemma3ForCausalLM(nn.Module):
         """Hidden states of the step's tokens; the KV pools and the step's attention metadata
         come from the forward context (lifeline.model.context)."""
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
-        for layer in self.layers:
-            x = layer(x, positions)
+        rope = (self.rotary_global.step_rows(positions), self.rotary_local.step_rows(positions))
+        for layer, sliding in zip(self.layers, self.sliding):
+            x = layer(x, rope[sliding])
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

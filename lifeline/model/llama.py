@@ -29,7 +29,8 @@ class LlamaAttention(nn.Module):
         window = cfg.sliding_window if cfg.layer_types[layer_idx] == "sliding" else None
         self.attn = PagedAttention(layer_idx, cfg.attn_scale, window)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                ) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = project(self, x, *QKV)
         q = q.reshape(n, self.num_heads, self.head_dim)
@@ -37,7 +38,7 @@ class LlamaAttention(nn.Module):
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(q, k, rope)
         o = self.attn(q, k, v)
         return self.o_proj(o.reshape(n, -1))
 
@@ -50,8 +51,9 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+                ) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -76,8 +78,9 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states of the step's tokens; the KV pools and the step's attention metadata
         come from the forward context (lifeline.model.context)."""
         x = self.embed(input_ids) if inputs_embeds is None else inputs_embeds
+        rope = self.rotary.step_rows(positions)
         for layer in self.layers:
-            x = layer(x, positions)
+            x = layer(x, rope)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -48,8 +48,6 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", _inv_freq(head_dim, theta, scaling), persistent=False)
         self.register_buffer("cos", None, persistent=False)  # `build_tables`
         self.register_buffer("sin", None, persistent=False)
-        self._positions: torch.Tensor | None = None
-        self._cos_sin: tuple[torch.Tensor, torch.Tensor] = ()
 
     def build_tables(self) -> None:
         """The tables of every position (computed on the CPU, placed where `inv_freq` is)."""
@@ -74,18 +72,17 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(positions.float(), self.inv_freq)
         return freqs.cos(), freqs.sin()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    def step_rows(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [N, 1, head_dim / 2] of a step's `positions` [N], computed once a step
+        by the model and handed to every layer: compiled code does not merge the layers' calls
+        of `lifeline_ext::rope_rows` (30 a SmolLM2 step were 1 ms of it)."""
+        cos, sin = self.rows(positions)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, rows: tuple[torch.Tensor, torch.Tensor]
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q: [N, H, D], k: [N, KVH, D], positions: [N]."""
-        if torch.compiler.is_compiling():  # the compiler shares the rows across layers
-            cos, sin = self.rows(positions)
-            cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-        else:
-            if positions is not self._positions:  # every layer of a step passes this tensor
-                self._positions = positions
-                cos, sin = self.rows(positions)
-                self._cos_sin = (cos.unsqueeze(1), sin.unsqueeze(1))
-            cos, sin = self._cos_sin
+        """q: [N, H, D], k: [N, KVH, D] rotated by the step's `rows` (`step_rows`)."""
+        cos, sin = rows
         # float32 rows: bf16 activations rotate in float32, rounded once (a no-op in float32)
         return _rotate(q, cos, sin).to(q.dtype), _rotate(k, cos, sin).to(k.dtype)
 
