@@ -53,6 +53,19 @@ def gemma3_reference():
     return model
 
 
+@pytest.fixture(scope="session")
+def hf_gemma_tokenizer():
+    """transformers' tokenizer of the default model, built from its GGUF once for the run (the
+    conversion reads the 262,144-token vocabulary through gguf-py: ~15 s alone, 35-39 s beside
+    the other half of make test, once per module that asked before)."""
+    from transformers import AutoTokenizer
+
+    from lifeline.model.default import default_model_path
+
+    path = default_model_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
 @pytest.fixture(scope="module")
 def loaded(default_model):
     return default_model

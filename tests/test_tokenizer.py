@@ -67,10 +67,11 @@ def tok(gguf_path: Path) -> GGUFTokenizer:
 
 
 @pytest.fixture(scope="module")
-def hf_gguf(gguf_path: Path):
-    from transformers import AutoTokenizer
+def hf_gguf(gguf_path: Path, hf_gemma_tokenizer):
+    from lifeline.model.default import default_model_path
 
-    return AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name)
+    assert default_model_path() == gguf_path
+    return hf_gemma_tokenizer
 
 
 @pytest.fixture(scope="module")

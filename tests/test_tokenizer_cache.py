@@ -33,11 +33,8 @@ def _same_tokenizer(kept, built) -> None:
 
 
 @pytest.fixture(scope="module")
-def hf_gemma():
-    from transformers import AutoTokenizer
-
-    path = default_model_path()
-    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+def hf_gemma(hf_gemma_tokenizer):
+    return hf_gemma_tokenizer
 
 
 @pytest.mark.parametrize("which", ["gemma", "smollm2"])
