@@ -56,8 +56,8 @@ def gemma3_reference():
 @pytest.fixture(scope="session")
 def hf_gemma_tokenizer():
     """transformers' tokenizer of the default model, built from its GGUF once for the run (the
-    conversion reads the 262,144-token vocabulary through gguf-py: ~15 s alone, 35-39 s beside
-    the other half of make test, once per module that asked before)."""
+    conversion reads the 262,144-token vocabulary through gguf-py: 35-39 s beside the other half
+    of make test, once per module that asked before)."""
     from transformers import AutoTokenizer
 
     from lifeline.model.default import default_model_path

@@ -32,13 +32,9 @@ def _same_tokenizer(kept, built) -> None:
         assert kept.decode(ids) == built.decode(ids), text
 
 
-@pytest.fixture(scope="module")
-def hf_gemma(hf_gemma_tokenizer):
-    return hf_gemma_tokenizer
-
-
 @pytest.mark.parametrize("which", ["gemma", "smollm2"])
-def test_a_second_load_takes_the_kept_tokenizer(which, hf_gemma, tmp_path, monkeypatch):
+def test_a_second_load_takes_the_kept_tokenizer(which, hf_gemma_tokenizer, tmp_path,
+                                                 monkeypatch):
     monkeypatch.setenv("LIFELINE_CACHE_DIR", str(tmp_path))
     path = default_model_path() if which == "gemma" else smollm2_model_path()
     built = load_model(path, lazy=True).tokenizer
@@ -52,7 +48,7 @@ def test_a_second_load_takes_the_kept_tokenizer(which, hf_gemma, tmp_path, monke
     if which == "gemma":
         for text in CASES:
             if "\u2581" not in text and " " * 32 not in text:  # tests/test_tokenizer.py's
-                assert second.encode(text) == hf_gemma.encode(text), text
+                assert second.encode(text) == hf_gemma_tokenizer.encode(text), text
 
 
 def test_skipping_the_vocabulary_arrays_reads_the_rest_of_the_header_the_same():
