@@ -237,8 +237,9 @@ def test_metrics_render_every_documented_name_and_nothing_undocumented():
 
 
 def test_metrics_render_is_prometheus_clients_text_byte_for_byte():
-    """/metrics keeps each sample's formatted name and labels between scrapes (half the GIL
-    time a scrape took): the body is still `generate_latest`'s, scrape after scrape, as values,
+    """/metrics keeps each sample's formatted name and labels between scrapes, and the finished
+    requests' families (text included) until the next finish: the body is still
+    `generate_latest`'s, scrape after scrape, as values,
     label sets (a new finish reason, the adaptive threads' series) and families change,
     label values needing escapes included."""
     from prometheus_client import Gauge, generate_latest
@@ -254,7 +255,12 @@ def test_metrics_render_is_prometheus_clients_text_byte_for_byte():
                                              thread_changes=2))
             Gauge("lifeline:unlabelled", "A family without labels.",
                   registry=metrics.registry).set(1e22)
-        assert metrics.render()[0] == generate_latest(metrics.registry)
+        body = metrics.render()[0]
+        assert body == generate_latest(metrics.registry)
+        # the finished requests' families are collected again after each finish
+        counts = re.findall(rb"^lifeline:e2e_request_latency_seconds_count\{.*\} (\S+)$", body,
+                            re.MULTILINE)
+        assert counts == [b"%d.0" % (step + 1)]
 
 
 def test_adaptive_threads_render_their_series_once_the_engine_reports_them():
