@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from lifeline.engine.request import Timeline
-from lifeline.observe.stats import EngineStats
 from lifeline.observe import (
     STAGES,
     AccessLog,
@@ -24,6 +23,7 @@ from lifeline.observe import (
     Tracer,
     combine_timelines,
 )
+from lifeline.observe.stats import EngineStats
 
 KEYS = {"gateway_ms", "template_ms", "tokenize_ms", "queue_ms", "prefill_ms", "prefill_chunks",
         "ttft_ms", "ttfat_ms", "decode_ms", "tbt_p50_ms", "tbt_p90_ms", "tbt_max_ms",
