@@ -15,6 +15,7 @@ import openai
 import pytest
 
 from lifeline.model.loader import load_model
+from tests.reference.gguf_views import use_plain_views
 
 # Compiled graphs (lifeline.model.compiled) are cached in a directory of this run's own, which
 # the servers the tests start inherit: the run shares them, and leaves nothing behind.
@@ -23,6 +24,8 @@ atexit.register(shutil.rmtree, os.environ["LIFELINE_CACHE_DIR"], True)
 # `lifeline serve` started by a test compiles before /ready (tests/test_background_compile.py
 # tests the background compile): a test's two requests never straddle the switch to compiled.
 os.environ["LIFELINE_COMPILE_IN_BACKGROUND"] = "0"
+# gguf-py's reader (the references', transformers' GGUF tokenizer's) parses a third as slowly
+use_plain_views()
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -164,7 +164,7 @@ def test_an_unsupported_type_fails_the_load_before_any_weight_is_read(tmp_path, 
 @pytest.mark.parametrize("which", ["gemma", "smollm2", "synthetic"])
 def test_our_reader_reads_what_gguf_py_reads(which, model, synthetic):
     """lifeline.model.gguf_reader (one pass with struct, ~0.1 s on Gemma's 262k-token
-    vocabulary, where gguf-py's reader takes ~9 s) against gguf-py's `GGUFReader`: every
+    vocabulary, where gguf-py's reader takes ~9-23 s) against gguf-py's `GGUFReader`: every
     field's value, every tensor's name, type, shape, offset and bytes."""
     from lifeline.model.gguf_reader import GGUFReader
 
@@ -194,3 +194,30 @@ def test_a_header_that_claims_more_than_the_file_holds_is_corrupt(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(CorruptGGUF, match="truncated or corrupt GGUF"):
         GGUFFile(path)
+
+
+def test_gguf_py_reads_the_same_through_plain_views():
+    """The tests' gguf-py (tests/reference/gguf_views.py, set by conftest) against gguf-py as
+    installed, on SmolLM2's file: the same fields, parts and tensors, byte for byte."""
+    from tests.reference.gguf_views import use_plain_views
+
+    path = str(smollm2_model_path())
+    use_plain_views(False)
+    try:
+        theirs = gguf.GGUFReader(path)
+    finally:
+        use_plain_views()
+    ours = gguf.GGUFReader(path)
+    assert "_plain_data" in ours.__dict__ and "_plain_data" not in theirs.__dict__
+    assert list(ours.fields) == list(theirs.fields)
+    for key, field in theirs.fields.items():
+        mine = ours.fields[key]
+        assert (mine.offset, mine.types, mine.data) == (field.offset, field.types, field.data)
+        assert [p.dtype for p in mine.parts] == [p.dtype for p in field.parts], key
+        assert b"".join(p.tobytes() for p in mine.parts) == b"".join(
+            p.tobytes() for p in field.parts), key
+    assert len(ours.tensors) == len(theirs.tensors)
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.name, a.tensor_type, a.data_offset, a.n_bytes) == (
+            b.name, b.tensor_type, b.data_offset, b.n_bytes)
+        assert np.array_equal(a.shape, b.shape) and np.array_equal(a.data, b.data), a.name

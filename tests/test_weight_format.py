@@ -14,6 +14,7 @@ from lifeline.model.weight_format import (
     _fold_value_rotation,
     _quantize_rows,
     apply_weight_format,
+    bf16_widened,
     hadamard,
     head_onednn,
     onednn_int8,
@@ -39,9 +40,13 @@ def fp32_logits(default_model):
     return LLM(default_model, max_num_batched_tokens=512).prompt_logits(ESSAY)
 
 
-@pytest.fixture(scope="module", params=["bf16", "int8", "int8-all", "gguf", "gguf-int8",
-                                        "gguf-int8+compile"])
+@pytest.fixture(scope="module", params=["bf16", "int8", "int8-all", "gguf", "gguf-int8+compile"])
 def fast_llm(request):
+    """Each format eager, and `gguf-int8` as `lifeline serve` runs it, compiled: its eager
+    forward (`--no-compile`) is the same layers (`RowSplitLinear`), whose two roads this module's
+    `test_gguf_int8_takes_a_lone_row_from_the_blocks_and_a_batch_through_int8` holds to their
+    formats and tests/test_deferred_weights.py follows llama.cpp's greedy text with, on SmolLM2
+    (54-56 s of make test for a third run of the same products)."""
     weights, _, compiled = request.param.partition("+")
     llm = LLM(load_model(), weights=weights, max_num_batched_tokens=512,
               compile=bool(compiled))  # gguf-int8+compile: what `lifeline serve` runs
@@ -85,6 +90,22 @@ def test_fast_head_gives_float32_logits_to_its_best_tokens(kind):
     assert torch.equal(ours.argmax(-1), exact.argmax(-1))
     assert torch.allclose(ours.gather(1, top), exact.gather(1, top), atol=1e-4)
     assert head(x[:0]).shape == (0, 4096)
+
+
+def test_bf16_batches_widened_to_float32_give_onednns_bfloat16_products():
+    """A CPU without bfloat16 arithmetic takes batches through float32 GEMMs on the widened
+    weight (`bf16_widened`); oneDNN's bfloat16 GEMM on the same rows is the reference: equal up to
+    the order of the additions (one bfloat16 step of the result at most), slices' seams too."""
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(1000, 64, generator=gen).to(torch.bfloat16)
+    x = torch.randn(40, 64, generator=gen)
+    ours = bf16_widened(x, weight, slice_rows=300)
+    theirs = torch.nn.functional.linear(x.to(torch.bfloat16), weight).float()
+    assert ours.shape == theirs.shape == (40, 1000)
+    assert torch.equal(ours, ours.to(torch.bfloat16).float())  # rounded to bfloat16 as theirs
+    step = theirs.abs().clamp_min(1e-3) * 2.0 ** -7  # one bfloat16 step at each value
+    assert bool(((ours - theirs).abs() <= step).all())
+    assert float((ours == theirs).float().mean()) > 0.9
 
 
 def test_int8_row_precision_does_not_depend_on_the_rows_batched_with_it():
