@@ -17,6 +17,7 @@ from lifeline.model.weight_format import (
     bf16_widened,
     hadamard,
     head_onednn,
+    native_hadamard,
     onednn_int8,
     rotate_columns,
     rotation_block,
@@ -175,6 +176,27 @@ def test_hadamard_rotation_is_orthogonal_and_blockwise():
     assert torch.allclose(rotate_columns(x, h), x @ torch.block_diag(h, h, h), atol=1e-5)
     assert rotation_block(640) == 32 and rotation_block(2048, 256) == 256
     assert rotation_block(48) == 0  # no power-of-two block of at least 32 divides it
+
+
+@pytest.mark.parametrize("block", [2, 32, 64, 256])
+@pytest.mark.parametrize("rows", [1, 16, 512])
+def test_the_fast_transform_rotates_as_the_block_diagonal_matmul(block, rows):
+    """`lifeline_ext::hadamard_rows` (what `rotate_columns` runs on the CPU where built: one
+    row, a batch, a prefill's rows across threads, a strided input) against the float64 product
+    with the block-diagonal matrix of `hadamard(block)`."""
+    if not native_hadamard():
+        pytest.skip("the native operators are not built here")
+    gen = torch.Generator().manual_seed(block + rows)
+    wide = torch.randn(rows, 2 * 512, generator=gen)
+    x = wide[:, ::2]  # every other column: not contiguous
+    h = hadamard(block)
+    exact = (x.double() @ torch.block_diag(*[h.double()] * (512 // block))).float()
+    ours = torch.ops.lifeline_ext.hadamard_rows(x, block)
+    assert ours.is_contiguous() and ours.shape == x.shape
+    torch.testing.assert_close(ours, exact, rtol=1e-5, atol=1e-5)
+    assert torch.equal(rotate_columns(x, h), ours)
+    with pytest.raises(RuntimeError, match="power of two"):
+        torch.ops.lifeline_ext.hadamard_rows(x, 3 * block)
 
 
 def test_rotated_int8_rows_keep_their_precision_around_an_outlier_channel():

@@ -144,6 +144,9 @@ class Int8Linear(nn.Module):
         self.stored = stored if rescore_top else None
         self.bias = linear.bias
         self.rotation = hadamard(rotate) if rotate else None
+        self.native_rotation = self.rotation is not None and native_hadamard()
+        """Whether `rotate_input` runs the fast transform on float32 CPU rows (decided here,
+        outside any graph the compiler traces)."""
         self.onednn = onednn_int8() and (not one_copy or batches_only or head_onednn())
         one_copy = one_copy or batches_only
         self.packed_parts: list[Any] | None = None
@@ -200,7 +203,7 @@ class Int8Linear(nn.Module):
         if self.onednn and (x.shape[0] > 1 or self.packed is None):
             return self.onednn_matmul(x)
         if self.rotation is not None:
-            x = rotate_columns(x, self.rotation)
+            x = self.rotate_input(x)
         if x.shape[0] == 1:  # one row: fbgemm's own per-call scale is already per row
             return self._fbgemm(x)
         if self.rotation is not None:
@@ -229,7 +232,7 @@ class Int8Linear(nn.Module):
         """`int8_matmul` through oneDNN's u8 x s8 GEMM, which takes plain tensors: the compiler
         traces it whole and fuses the activations' quantization into the ops before it."""
         if self.rotation is not None:
-            x = rotate_columns(x, self.rotation)
+            x = self.rotate_input(x)
         return self._per_row_scaled(x, self._onednn_gemm)
 
     def _per_row_scaled(self, x: torch.Tensor, gemm: Callable[[torch.Tensor], torch.Tensor]
@@ -261,11 +264,17 @@ class Int8Linear(nn.Module):
         if self.onednn and (x.shape[0] > 1 or self.packed is None):
             return self.onednn_matmul(x)
         if self.rotation is not None:
-            x = rotate_columns(x, self.rotation)
+            x = self.rotate_input(x)
         op, handle, out = self.compile_op, self.compile_handle, self.out_features
         if x.shape[0] == 1:
             return op(x, handle, out)
         return self._per_row_scaled(x, lambda z: op(z, handle, out))
+
+    def rotate_input(self, x: torch.Tensor) -> torch.Tensor:
+        """`rotate_columns(x, self.rotation)`, by the fast transform where it runs."""
+        if self.native_rotation and x.dtype == torch.float32 and x.device.type == "cpu":
+            return torch.ops.lifeline_ext.hadamard_rows(x, self.rotation.shape[0])
+        return rotate_columns(x, self.rotation)
 
     def extra_repr(self) -> str:
         rotate = 0 if self.rotation is None else self.rotation.shape[0]
@@ -309,10 +318,32 @@ def hadamard(n: int) -> torch.Tensor:
 
 
 def rotate_columns(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
-    """`x @ blockdiag(h, h, ...)`: each consecutive block of x's columns times h."""
+    """`x @ blockdiag(h, h, ...)`: each consecutive block of x's columns times h, which is
+    `hadamard(b)` (every caller's): for float32 rows on the CPU by the fast transform
+    (`lifeline_ext::hadamard_rows`, where built), else as a matmul. Compiled code decides
+    outside the graph (`Int8Linear.rotate_input`)."""
     rows, cols = x.shape
     b = h.shape[0]
+    if x.dtype == torch.float32 and x.device.type == "cpu" and \
+            not torch.compiler.is_compiling() and native_hadamard():
+        return torch.ops.lifeline_ext.hadamard_rows(x, b)
     return torch.matmul(x.reshape(rows, cols // b, b), h).reshape(rows, cols)
+
+
+@cache
+def native_hadamard() -> bool:
+    """Whether `lifeline_ext::hadamard_rows` (lifeline/csrc/cpu_ops.cpp) is built, its shape
+    registered for the compiler."""
+    from lifeline.model.native import native_ops
+
+    if not native_ops() or not hasattr(torch.ops.lifeline_ext, "hadamard_rows"):
+        return False
+
+    @torch.library.register_fake("lifeline_ext::hadamard_rows")
+    def _(x: torch.Tensor, block: int) -> torch.Tensor:
+        return x.new_empty(x.shape)
+
+    return True
 
 
 def rotation_block(features: int, largest: int = ROTATE_BLOCK) -> int:
