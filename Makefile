@@ -33,13 +33,15 @@ install: $(VENV)/.installed $(VENV)/.smollm2 $(VENV)/.native
 
 # Two processes at once, then one alone. The modules that start servers hold engines (KV
 # pools, threads) for their duration, so they get a process of their own (with the weight-format
-# study, the background compile's server and the gateway's routing, to even the halves: 23:03
-# against 21:47 before the last moved, on 2026-12-07); each half keeps about one core busy. The tests marked `alone`
+# study, the background compile's server and the Ray module, to even the halves: 23:03 against
+# 21:47 before the last moved, on 2026-12-07); each half keeps about one core busy. Not
+# tests/test_gateway_routing.py: its local engine takes the session's `default_model` as
+# float32, which the server modules here format as `gguf-int8` first. The tests marked `alone`
 # bound /health latency and run last, with the machine to themselves.
 SERVER_TESTS := $(sort $(wildcard tests/test_server*.py)) tests/test_hostile_inputs.py \
 	tests/test_dashboard_browser.py
 SECOND_HALF := $(SERVER_TESTS) tests/test_weight_format.py tests/test_background_compile.py \
-	tests/test_gateway_routing.py
+	tests/test_scale_out_ray.py
 # Only the modules with tests marked `alone` are collected for them (collecting all of tests/
 # to deselect 1,544 took 15 of 28 s).
 ALONE := $(shell grep -l "mark\.alone" tests/test_*.py)
