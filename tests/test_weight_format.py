@@ -47,7 +47,7 @@ def fast_llm(request):
     forward (`--no-compile`) is the same layers (`RowSplitLinear`), whose two roads this module's
     `test_gguf_int8_takes_a_lone_row_from_the_blocks_and_a_batch_through_int8` holds to their
     formats and tests/test_deferred_weights.py follows llama.cpp's greedy text with, on SmolLM2
-    (54-56 s of make test for a third run of the same products)."""
+    (a third run of the same products cost make test nearly a minute)."""
     weights, _, compiled = request.param.partition("+")
     llm = LLM(load_model(), weights=weights, max_num_batched_tokens=512,
               compile=bool(compiled))  # gguf-int8+compile: what `lifeline serve` runs

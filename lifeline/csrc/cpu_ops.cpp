@@ -575,10 +575,10 @@ std::tuple<at::Tensor, at::Tensor> rope_rows(const at::Tensor& positions,
 // lifeline_ext::hadamard_rows(x, block): x times the block-diagonal Hadamard matrix of `block`
 // (Sylvester's order, scaled by 1/sqrt(block): lifeline.model.weight_format.hadamard), each
 // row's consecutive blocks of columns by the fast Walsh-Hadamard transform (log2(block) passes of
-// sums and differences). As a matmul against the 32 x 32 matrix, each rotation in a compiled
-// graph was an `aten::mm` of ~36 us for 16 rows (121 a step: 4.3 ms of SmolLM2's 69 ms at 16
-// users) and ~0.5 ms for a 512-token prefill's rows.
+// sums and differences), in place of an `aten::mm` against the matrix in the compiled graph
+// (docs/performance.md, "Rotations by the fast Walsh-Hadamard transform").
 // x [R, C] float32, C a multiple of `block`, `block` a power of two. Returns [R, C] float32.
+
 // One row of C values, blocks of `block`, transformed in place and scaled.
 void hadamard_row(float* v, int64_t C, int64_t block, float scale) {
   int64_t h = 1;

@@ -73,10 +73,10 @@ better, and a block's cost grows with its size (docs/performance.md)."""
 
 BF16_WIDEN_ROWS = 32
 """Rows from which `BF16Linear` widens its weight to float32 slice by slice on a CPU without
-native bfloat16 (`bf16_widened`): 512 rows of Gemma 3's head 11.7 -> 3.2 s, 64 rows 1.45 -> 0.61,
-8 rows 0.17 -> 0.39 (AMD EPYC, AVX2, 2 threads)."""
+native bfloat16 (`bf16_widened`): faster from a few dozen rows, slower for a few
+(docs/performance.md, "bf16 head without bf16 arithmetic")."""
 BF16_WIDEN_SLICE = 8192
-"""Weight rows widened at a time (8192 x 640: 21 MB of float32)."""
+"""Weight rows widened at a time (the float32 temporary is a slice's, not the head's)."""
 
 
 class BF16Linear(nn.Module):
@@ -271,10 +271,7 @@ class Int8Linear(nn.Module):
         return self._per_row_scaled(x, lambda z: op(z, handle, out))
 
     def rotate_input(self, x: torch.Tensor) -> torch.Tensor:
-        """`rotate_columns(x, self.rotation)`, by the fast transform where it runs."""
-        if self.native_rotation and x.dtype == torch.float32 and x.device.type == "cpu":
-            return torch.ops.lifeline_ext.hadamard_rows(x, self.rotation.shape[0])
-        return rotate_columns(x, self.rotation)
+        return rotate_columns(x, self.rotation, self.native_rotation)
 
     def extra_repr(self) -> str:
         rotate = 0 if self.rotation is None else self.rotation.shape[0]
@@ -317,15 +314,18 @@ def hadamard(n: int) -> torch.Tensor:
     return (h / n ** 0.5).float()
 
 
-def rotate_columns(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+def rotate_columns(x: torch.Tensor, h: torch.Tensor, native: bool | None = None
+                   ) -> torch.Tensor:
     """`x @ blockdiag(h, h, ...)`: each consecutive block of x's columns times h, which is
     `hadamard(b)` (every caller's): for float32 rows on the CPU by the fast transform
-    (`lifeline_ext::hadamard_rows`, where built), else as a matmul. Compiled code decides
-    outside the graph (`Int8Linear.rotate_input`)."""
+    (`lifeline_ext::hadamard_rows`) where `native` (None: where built, asked now; compiled code
+    passes what its layer decided outside the graph, `Int8Linear.native_rotation`), else as a
+    matmul."""
     rows, cols = x.shape
     b = h.shape[0]
-    if x.dtype == torch.float32 and x.device.type == "cpu" and \
-            not torch.compiler.is_compiling() and native_hadamard():
+    if native is None:
+        native = not torch.compiler.is_compiling() and native_hadamard()
+    if native and x.dtype == torch.float32 and x.device.type == "cpu":
         return torch.ops.lifeline_ext.hadamard_rows(x, b)
     return torch.matmul(x.reshape(rows, cols // b, b), h).reshape(rows, cols)
 

@@ -200,9 +200,9 @@ class Metrics:
 
 class _Snapshot:
     """A collector over its own registry that collects it again only when marked `changed`:
-    between changes it hands out the same family objects, whose text `Exposition` keeps. Of a
-    scrape's ~4.6 ms of GIL, ~2.7 ms was collecting, most of it these histograms' buckets,
-    unchanged until a request finishes (docs/performance.md)."""
+    between changes it hands out the same family objects, whose text `Exposition` keeps.
+    Collecting the histograms' buckets, unchanged until a request finishes, was most of a
+    scrape's time holding the GIL (docs/performance.md)."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=False)

@@ -3,9 +3,8 @@
 The reader slices its `np.memmap` for every value it parses: about a million slices for a file
 whose vocabulary has 262,144 tokens (Gemma 3's), each paying the memmap subclass's own
 `__getitem__` and `__array_finalize__`. The same slices of a base-class view of the same map
-are the same bytes, parsed by the same code, in about a third of the time (Gemma 3's file:
-22.9 -> 8.5 s on the test machine; transformers' GGUF tokenizer and every reference model read
-through it). Lifeline never uses gguf-py's reader (lifeline.model.gguf_reader is its own), so
+are the same bytes, parsed by the same code, in about a third of the time (transformers' GGUF
+tokenizer and every reference model read through it; docs/performance.md). Lifeline never uses gguf-py's reader (lifeline.model.gguf_reader is its own), so
 this changes only the references' cost, never what they read: tests/test_gguf_dequant.py holds
 the two readings equal."""
 from __future__ import annotations
