@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lifeline.model.layers import attention
-from lifeline.model.layers.attention import AttentionMetadata
+from lifeline.model.layers.attention import AttentionMetadata, PrefillSeq
 from lifeline.model.native import native_ops
 
 
@@ -109,6 +109,47 @@ def test_decode_attention_of_long_contexts_in_chunks_on_each_head_size(
         reference = attention._decode(q, k_cache.float(), v_cache.float(), meta,
                                       head_dim ** -0.5, None)
         torch.testing.assert_close(ours, reference, atol=2e-5, rtol=1e-4)
+    finally:
+        torch.set_num_threads(2)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("head_dim,heads,kv_heads", [(64, 9, 3), (128, 4, 1), (256, 8, 2),
+                                                     (64, 4, 4), (32, 16, 2)])
+@pytest.mark.parametrize("tokens,past,window", [
+    (1, 0, None), (5, 0, None), (130, 0, None), (257, 0, 64),  # a prompt's first chunk
+    (1, 300, None), (70, 130, None), (129, 300, 100), (3, 500, 7)])  # a later chunk
+def test_prefill_attention_is_sdpas_causal_attention_within_the_window(
+        monkeypatch, threads, head_dim, heads, kv_heads, tokens, past, window):
+    """`lifeline_ext::prefill_attention` (a KV head's query heads stacked into one block of
+    rows, flash style) against PyTorch's attention over the expanded heads and the explicit
+    mask: a prompt's first chunk (its own keys) and a later one (the context's keys gathered
+    from a shuffled pool), with and without a sliding window, on one thread and two; block
+    edges crossed (64 keys a block, about 192 stacked rows). Chunks from
+    `NATIVE_PREFILL_MIN` tokens take it in `_prefill`, shorter ones SDPA."""
+    if not attention.native_prefill(torch.zeros(1, 1, head_dim)):
+        pytest.skip(f"the built kernel does not tile head size {head_dim}")
+    torch.set_num_threads(threads)
+    try:
+        gen = torch.Generator().manual_seed(tokens + past + head_dim)
+        context = past + tokens
+        pool = context + 40
+        k_cache = torch.randn(pool, kv_heads, head_dim, generator=gen)
+        v_cache = torch.randn(pool, kv_heads, head_dim, generator=gen)
+        slots = torch.randperm(pool, generator=gen)[:context]
+        q = 2 * torch.randn(tokens, heads, head_dim, generator=gen)
+        k, v = k_cache[slots[past:]], v_cache[slots[past:]]
+        seq = PrefillSeq(start=0, num_tokens=tokens, context_len=context, slots=slots)
+        scale = head_dim ** -0.5
+        ours = torch.ops.lifeline_ext.prefill_attention(
+            q, k_cache[slots], v_cache[slots], scale, -1 if window is None else window)
+        taken = attention._prefill(q, k, v, k_cache, v_cache, seq, scale, window)
+        monkeypatch.setattr(attention, "native_ops", lambda: False)
+        reference = attention._prefill(q, k, v, k_cache, v_cache, seq, scale, window)
+        assert torch.equal(taken, ours if tokens >= attention.NATIVE_PREFILL_MIN else reference)
+        torch.testing.assert_close(ours, reference, atol=2e-5, rtol=1e-4)
+        if tokens == 1 and past == 0:  # a lone position attends to itself alone
+            torch.testing.assert_close(ours[0], v[0].repeat_interleave(heads // kv_heads, 0))
     finally:
         torch.set_num_threads(2)
 

@@ -241,6 +241,17 @@ struct Vec {
   }
 };
 #define LIFELINE_VEC_ATTENTION 1
+#else
+struct Vec {  // one float a "vector": the portable build of the prefill kernel below
+  using V = float;
+  static constexpr int W = 1;
+  static V zero() { return 0.f; }
+  static V load(const float* p) { return *p; }
+  static V fma(V a, V b, V c) { return a * b + c; }
+  static V add(V a, V b) { return a + b; }
+  static V set1(float x) { return x; }
+  static void store(float* p, V v) { *p = v; }
+};
 #endif
 
 #ifdef LIFELINE_VEC_ATTENTION
@@ -462,6 +473,248 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 }
 
 
+// lifeline_ext::prefill_attention: a prefill chunk's causal attention (within a sliding window
+// where given), flash style (Dao et al.), with the query heads that share a KV head stacked into
+// one block of rows, so that each key and value row read serves all of them and the products are
+// register-tiled GEMMs rather than one head's dots at a time. q [T, H, hd] holds the chunk's
+// queries, at context positions L - T .. L - 1; k, v [L, KVH, hd] the whole context's keys and
+// values (the chunk's own last). A query at position p sees the keys at positions j <= p, and
+// with a window w only those with j > p - w (transformers' and lifeline.model.layers.attention's
+// masks). All float32. Returns [T, H, hd].
+
+// Query positions a block holds: about 128 stacked rows whatever the group's size.
+inline int64_t prefill_block_rows(int64_t group) { return std::max<int64_t>(4, 192 / group); }
+constexpr int64_t PREFILL_KEYS = 64;  // keys a block: a multiple of 2 vectors on every build
+constexpr int PREFILL_MR = 6;         // rows a register tile
+constexpr int64_t PREFILL_DIMS = 32;  // dimensions a partial sum of the scores
+
+// S[r, c .. c + 2W) = Q[r] . Kt[:, c .. c + 2W) for MR rows: Q [MR, hd] (row stride hd), Kt
+// [hd, ldk] (the key block transposed), S row stride lds.
+template <int MR>
+inline void qk_tile(const float* Q, int64_t hd, const float* Kt, int64_t ldk, float* S,
+                    int64_t lds) {
+  using V = typename Vec::V;
+  constexpr int W = Vec::W;
+  V acc[MR][2];
+  // summed 32 dimensions at a time, the partial sums then added: a head of 256 dimensions
+  // rounds about as SDPA's blocked products do, not as one running sum of 256 terms
+  for (int64_t d0 = 0; d0 < hd; d0 += PREFILL_DIMS) {
+    for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = Vec::zero();
+    for (int64_t d = d0; d < std::min(hd, d0 + PREFILL_DIMS); ++d) {
+      const V b0 = Vec::load(Kt + d * ldk), b1 = Vec::load(Kt + d * ldk + W);
+      for (int r = 0; r < MR; ++r) {
+        const V a = Vec::set1(Q[r * hd + d]);
+        acc[r][0] = Vec::fma(a, b0, acc[r][0]);
+        acc[r][1] = Vec::fma(a, b1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < MR; ++r) {
+      if (d0 > 0) {
+        acc[r][0] = Vec::add(acc[r][0], Vec::load(S + r * lds));
+        acc[r][1] = Vec::add(acc[r][1], Vec::load(S + r * lds + W));
+      }
+      Vec::store(S + r * lds, acc[r][0]);
+      Vec::store(S + r * lds + W, acc[r][1]);
+    }
+  }
+}
+
+// O[r, c .. c + 2W) += sum over the block's n keys of P[r, j] V[j, c .. c + 2W) for MR rows:
+// P row stride lds, V rows `ldv` apart, O row stride hd.
+template <int MR>
+inline void pv_tile(const float* P, int64_t lds, const float* Vr, int64_t ldv, int64_t n,
+                    float* O, int64_t hd) {
+  using V = typename Vec::V;
+  constexpr int W = Vec::W;
+  V acc[MR][2];
+  for (int r = 0; r < MR; ++r) {
+    acc[r][0] = Vec::load(O + r * hd);
+    acc[r][1] = Vec::load(O + r * hd + W);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const V b0 = Vec::load(Vr + j * ldv), b1 = Vec::load(Vr + j * ldv + W);
+    for (int r = 0; r < MR; ++r) {
+      const V p = Vec::set1(P[r * lds + j]);
+      acc[r][0] = Vec::fma(p, b0, acc[r][0]);
+      acc[r][1] = Vec::fma(p, b1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    Vec::store(O + r * hd, acc[r][0]);
+    Vec::store(O + r * hd + W, acc[r][1]);
+  }
+}
+
+template <int MR>
+inline void qk_rows(int rows, const float* Q, int64_t hd, const float* Kt, int64_t ldk,
+                    float* S, int64_t lds) {
+  switch (rows) {
+    case 1: return qk_tile<1>(Q, hd, Kt, ldk, S, lds);
+    case 2: return qk_tile<2>(Q, hd, Kt, ldk, S, lds);
+    case 3: return qk_tile<3>(Q, hd, Kt, ldk, S, lds);
+    case 4: return qk_tile<4>(Q, hd, Kt, ldk, S, lds);
+    case 5: return qk_tile<5>(Q, hd, Kt, ldk, S, lds);
+    default: return qk_tile<MR>(Q, hd, Kt, ldk, S, lds);
+  }
+}
+
+template <int MR>
+inline void pv_rows(int rows, const float* P, int64_t lds, const float* Vr, int64_t ldv,
+                    int64_t n, float* O, int64_t hd) {
+  switch (rows) {
+    case 1: return pv_tile<1>(P, lds, Vr, ldv, n, O, hd);
+    case 2: return pv_tile<2>(P, lds, Vr, ldv, n, O, hd);
+    case 3: return pv_tile<3>(P, lds, Vr, ldv, n, O, hd);
+    case 4: return pv_tile<4>(P, lds, Vr, ldv, n, O, hd);
+    case 5: return pv_tile<5>(P, lds, Vr, ldv, n, O, hd);
+    default: return pv_tile<MR>(P, lds, Vr, ldv, n, O, hd);
+  }
+}
+
+void prefill_attention_impl(const float* qp, const float* kp, const float* vp, float* op,
+                            int64_t T, int64_t L, int64_t H, int64_t KVH, int64_t hd, float scale,
+                            int64_t window) {
+  constexpr int64_t BK = PREFILL_KEYS;
+  const int64_t group = H / KVH, BQ = prefill_block_rows(group);
+  const int64_t blocks = (T + BQ - 1) / BQ, units = blocks * KVH;
+  const int64_t first = L - T;  // the chunk's first query position
+  const int64_t kv_row = KVH * hd;
+  // each KV head's keys transposed once, a block at a time: [KVH, key blocks, hd, BK], the
+  // columns past L zero
+  const int64_t kblocks = (L + BK - 1) / BK;
+  std::vector<float> kt_all(KVH * kblocks * hd * BK);
+  auto transpose = [&](int64_t x0, int64_t x1) {
+    for (int64_t x = x0; x < x1; ++x) {
+      const int64_t g = x / kblocks, j0 = (x % kblocks) * BK;
+      float* Kt = kt_all.data() + x * hd * BK;
+      for (int64_t j = 0; j < BK; ++j) {
+        if (j0 + j < L) {
+          const float* kr = kp + (j0 + j) * kv_row + g * hd;
+          for (int64_t d = 0; d < hd; ++d) Kt[d * BK + j] = kr[d];
+        } else {
+          for (int64_t d = 0; d < hd; ++d) Kt[d * BK + j] = 0.f;
+        }
+      }
+    }
+  };
+  if (KVH * kblocks > 1 && T * L >= 4096)
+    at::parallel_for(0, KVH * kblocks, 1, transpose);
+  else
+    transpose(0, KVH * kblocks);
+  auto unit = [&](int64_t u) {
+    // blocks taken from both ends in turn (a late block sees more keys), so that the
+    // contiguous ranges parallel_for hands each thread weigh about the same
+    const int64_t i = u / KVH, g = u % KVH;
+    const int64_t b = i % 2 == 0 ? i / 2 : blocks - 1 - i / 2;
+    const int64_t t0 = b * BQ, t1 = std::min(T, t0 + BQ), nq = t1 - t0;
+    const int64_t R = nq * group;  // row r: query t0 + r / group, head g * group + r % group
+    thread_local std::vector<float> qbuf, sbuf, obuf, mbuf, lbuf;
+    qbuf.resize(R * hd);
+    sbuf.resize(R * BK);
+    obuf.resize(R * hd);
+    mbuf.resize(R);
+    lbuf.resize(R);
+    float *Q = qbuf.data(), *S = sbuf.data(), *O = obuf.data();
+    float *m = mbuf.data(), *l = lbuf.data();
+    for (int64_t r = 0; r < R; ++r) {
+      const float* src = qp + ((t0 + r / group) * H + g * group + r % group) * hd;
+      for (int64_t d = 0; d < hd; ++d) Q[r * hd + d] = src[d] * scale;
+    }
+    std::fill(O, O + R * hd, 0.f);
+    std::fill(m, m + R, -INFINITY);
+    std::fill(l, l + R, 0.f);
+    const int64_t p0 = first + t0, p1 = first + t1 - 1;  // the block's first and last positions
+    const int64_t lo = window > 0 ? std::max<int64_t>(0, p0 - window + 1) : 0;
+    for (int64_t j0 = lo - lo % BK; j0 <= p1; j0 += BK) {
+      const int64_t n = std::min(BK, p1 + 1 - j0);
+      const float* Kt = kt_all.data() + (g * kblocks + j0 / BK) * hd * BK;
+      for (int64_t r = 0; r < R; r += PREFILL_MR) {
+        const int rows = static_cast<int>(std::min<int64_t>(PREFILL_MR, R - r));
+        for (int64_t c = 0; c < BK; c += 2 * Vec::W)
+          qk_rows<PREFILL_MR>(rows, Q + r * hd, hd, Kt + c, BK, S + r * BK + c, BK);
+      }
+      // the mask (positions past the query, before its window, past the context), then each
+      // row's running maximum and sum, and its output so far rescaled (online softmax)
+      const bool edge = j0 + BK - 1 > p0 || (window > 0 && j0 <= p1 - window) || n < BK;
+      for (int64_t r = 0; r < R; ++r) {
+        float* sr = S + r * BK;
+        const int64_t p = first + t0 + r / group;
+        int64_t a = 0, z = n;  // the keys [a, z) row r sees in this block
+        if (edge) {
+          z = std::min<int64_t>(n, p + 1 - j0);
+          if (window > 0) a = std::max<int64_t>(0, p - window + 1 - j0);
+          if (a >= z) {  // none: the row's state stays as it is
+            std::fill(sr, sr + BK, 0.f);
+            continue;
+          }
+          std::fill(sr, sr + a, -INFINITY);
+          std::fill(sr + z, sr + BK, -INFINITY);
+        }
+        float top = -INFINITY;
+#pragma omp simd reduction(max : top)
+        for (int64_t j = a; j < z; ++j) top = std::max(top, sr[j]);
+        const float m_new = std::max(m[r], top);
+        const float alpha = m[r] == -INFINITY ? 0.f : std::exp(m[r] - m_new);
+#pragma omp simd
+        for (int64_t j = 0; j < BK; ++j) sr[j] -= m_new;
+        exp_inplace(sr, BK);  // -inf to exactly 0
+        float total = 0.f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = a; j < z; ++j) total += sr[j];
+        l[r] = l[r] * alpha + total;
+        m[r] = m_new;
+        if (alpha != 1.f) {
+          float* orow = O + r * hd;
+          for (int64_t d = 0; d < hd; ++d) orow[d] *= alpha;
+        }
+      }
+      const float* Vb = vp + j0 * kv_row + g * hd;
+      for (int64_t r = 0; r < R; r += PREFILL_MR) {
+        const int rows = static_cast<int>(std::min<int64_t>(PREFILL_MR, R - r));
+        for (int64_t c = 0; c < hd; c += 2 * Vec::W)
+          pv_rows<PREFILL_MR>(rows, S + r * BK, BK, Vb + c, kv_row, n, O + r * hd + c, hd);
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) {
+      float* dst = op + ((t0 + r / group) * H + g * group + r % group) * hd;
+      const float inv = 1.f / l[r];
+      for (int64_t d = 0; d < hd; ++d) dst[d] = O[r * hd + d] * inv;
+    }
+  };
+  if (units > 1 && T * L >= 4096)
+    at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+      for (int64_t u = u0; u < u1; ++u) unit(u);
+    });
+  else
+    for (int64_t u = 0; u < units; ++u) unit(u);
+}
+
+at::Tensor prefill_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                             double scale, int64_t window) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes(),
+              "prefill_attention: q [T, H, hd], k and v [L, KVH, hd]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat &&
+                  v.scalar_type() == at::kFloat,
+              "prefill_attention: float32 q, k and v");
+  const int64_t T = q.size(0), H = q.size(1), hd = q.size(2), L = k.size(0), KVH = k.size(1);
+  TORCH_CHECK(k.size(2) == hd && KVH > 0 && H % KVH == 0 && T <= L,
+              "prefill_attention: shapes");
+  TORCH_CHECK(hd % (2 * Vec::W) == 0, "prefill_attention: head size ", hd,
+              " is not a multiple of ", 2 * Vec::W);
+  auto qc = q.contiguous();
+  auto kc = k.contiguous();
+  auto vc = v.contiguous();
+  auto out = at::empty_like(qc);
+  if (T == 0) return out;
+  prefill_attention_impl(qc.data_ptr<float>(), kc.data_ptr<float>(), vc.data_ptr<float>(),
+                         out.data_ptr<float>(), T, L, H, KVH, hd, static_cast<float>(scale),
+                         window);
+  return out;
+}
+
+// The head sizes `prefill_attention` takes are the multiples of this.
+int64_t prefill_attention_head_multiple() { return 2 * Vec::W; }
+
 // lifeline_ext::paged_attention: the compiled forward's attention operator (lifeline/model/layers/
 // attention.py) with a decode-only step's work in C++. Written in Python (lifeline::paged_attention),
 // each layer's call cost ~45 us around a ~35 us kernel (the dispatcher calling back into Python,
@@ -661,6 +914,8 @@ TORCH_LIBRARY(lifeline_ext, m) {
   m.def("paged_attention(Tensor q, Tensor k, Tensor v, int layer, float scale, int? window) -> Tensor");
   m.def("rope_rows(Tensor positions, Tensor inv_freq) -> (Tensor, Tensor)");
   m.def("hadamard_rows(Tensor x, int block) -> Tensor");
+  m.def("prefill_attention(Tensor q, Tensor k, Tensor v, float scale, int window) -> Tensor");
+  m.def("prefill_attention_head_multiple() -> int", prefill_attention_head_multiple);
 }
 
 TORCH_LIBRARY_IMPL(lifeline_ext, CPU, m) {
@@ -669,4 +924,5 @@ TORCH_LIBRARY_IMPL(lifeline_ext, CPU, m) {
   m.impl("paged_attention", paged_attention);
   m.impl("rope_rows", rope_rows);
   m.impl("hadamard_rows", hadamard_rows);
+  m.impl("prefill_attention", prefill_attention);
 }

@@ -11,6 +11,7 @@ data that changes every step, as vLLM's attention operator does.
 """
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,6 +27,14 @@ NATIVE_DECODE_MAX = 256
 paged cache, on every thread) where it is built, faster than gathering the contexts for
 PyTorch's flash kernel at every batch measured (docs/performance.md); larger ones take that
 path."""
+
+NATIVE_PREFILL_MIN = 64
+"""Prefill chunks of at least this many tokens take `lifeline_ext::prefill_attention` where it
+is built (a 512-token causal chunk 1.6-1.8x faster than PyTorch's flash kernel, docs/
+performance.md); shorter ones keep SDPA, where the attention is a few microseconds a layer
+either way and where the kernel's other float32 rounding, moving an int8 rounding step, parted
+the `int8-all` and `gguf-int8` layers from llama.cpp's greedy text on a 15-token prompt
+(tests/test_weight_format.py)."""
 
 
 @dataclass(slots=True)
@@ -243,6 +252,9 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
     elif k_cache.dtype != q.dtype:  # as the cache will give them back: a prefix-cache hit
         k = k.to(k_cache.dtype).to(q.dtype)  # then reads the same keys as this first pass
         v = v.to(v_cache.dtype).to(q.dtype)
+    if not p.both_ways and p.num_tokens >= NATIVE_PREFILL_MIN and native_prefill(q):
+        return torch.ops.lifeline_ext.prefill_attention(q, k, v, scale,
+                                                        -1 if window is None else window)
     # 4-D [1, H, T, D] inputs: PyTorch's fused (flash) CPU kernel takes only 4-D ones; as 3-D
     # this was the slower math path (bmm + softmax; docs/performance.md, "Prefill attention").
     q_t = q.transpose(0, 1).unsqueeze(0)
@@ -254,6 +266,24 @@ def _prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.T
         o = F.scaled_dot_product_attention(q_t, k_t, v_t, attn_mask=mask, scale=scale)
     o = o.squeeze(0)
     return o.transpose(0, 1)
+
+
+def native_prefill(q: torch.Tensor) -> bool:
+    """Whether `lifeline_ext::prefill_attention` (lifeline/csrc/cpu_ops.cpp: the query heads of
+    a KV head stacked, register-tiled, flash style) takes these queries: built, on the CPU,
+    float32, a head size it tiles. Where not, PyTorch's flash kernel over expanded K/V does."""
+    if q.device.type != "cpu" or q.dtype != torch.float32 or not native_ops():
+        return False
+    multiple = _prefill_head_multiple()
+    return multiple > 0 and q.shape[-1] % multiple == 0
+
+
+@functools.cache
+def _prefill_head_multiple() -> int:
+    """The head sizes the built kernel tiles are the multiples of this (two vectors); 0 where
+    the library predates it."""
+    ops = torch.ops.lifeline_ext
+    return ops.prefill_attention_head_multiple() if hasattr(ops, "prefill_attention") else 0
 
 
 def _expand_heads(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
