@@ -482,7 +482,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k_cache,
 // with a window w only those with j > p - w (transformers' and lifeline.model.layers.attention's
 // masks). All float32. Returns [T, H, hd].
 
-// Query positions a block holds: about 128 stacked rows whatever the group's size.
+// Query positions a block holds: about 192 stacked rows whatever the group's size.
 inline int64_t prefill_block_rows(int64_t group) { return std::max<int64_t>(4, 192 / group); }
 constexpr int64_t PREFILL_KEYS = 64;  // keys a block: a multiple of 2 vectors on every build
 constexpr int PREFILL_MR = 6;         // rows a register tile
