@@ -21,6 +21,7 @@
 #include <mutex>
 #include <optional>
 #include <shared_mutex>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -545,29 +546,18 @@ inline void pv_tile(const float* P, int64_t lds, const float* Vr, int64_t ldv, i
   }
 }
 
-template <int MR>
-inline void qk_rows(int rows, const float* Q, int64_t hd, const float* Kt, int64_t ldk,
-                    float* S, int64_t lds) {
+// f(std::integral_constant<int, rows>{}) for 1 <= rows <= PREFILL_MR: a tile's row count as a
+// template argument, the last tile of a block being shorter.
+template <typename F>
+inline void with_rows(int rows, F&& f) {
+  static_assert(PREFILL_MR == 6, "one case per row count below");
   switch (rows) {
-    case 1: return qk_tile<1>(Q, hd, Kt, ldk, S, lds);
-    case 2: return qk_tile<2>(Q, hd, Kt, ldk, S, lds);
-    case 3: return qk_tile<3>(Q, hd, Kt, ldk, S, lds);
-    case 4: return qk_tile<4>(Q, hd, Kt, ldk, S, lds);
-    case 5: return qk_tile<5>(Q, hd, Kt, ldk, S, lds);
-    default: return qk_tile<MR>(Q, hd, Kt, ldk, S, lds);
-  }
-}
-
-template <int MR>
-inline void pv_rows(int rows, const float* P, int64_t lds, const float* Vr, int64_t ldv,
-                    int64_t n, float* O, int64_t hd) {
-  switch (rows) {
-    case 1: return pv_tile<1>(P, lds, Vr, ldv, n, O, hd);
-    case 2: return pv_tile<2>(P, lds, Vr, ldv, n, O, hd);
-    case 3: return pv_tile<3>(P, lds, Vr, ldv, n, O, hd);
-    case 4: return pv_tile<4>(P, lds, Vr, ldv, n, O, hd);
-    case 5: return pv_tile<5>(P, lds, Vr, ldv, n, O, hd);
-    default: return pv_tile<MR>(P, lds, Vr, ldv, n, O, hd);
+    case 1: return f(std::integral_constant<int, 1>{});
+    case 2: return f(std::integral_constant<int, 2>{});
+    case 3: return f(std::integral_constant<int, 3>{});
+    case 4: return f(std::integral_constant<int, 4>{});
+    case 5: return f(std::integral_constant<int, 5>{});
+    default: return f(std::integral_constant<int, PREFILL_MR>{});
   }
 }
 
@@ -630,8 +620,10 @@ void prefill_attention_impl(const float* qp, const float* kp, const float* vp, f
       const float* Kt = kt_all.data() + (g * kblocks + j0 / BK) * hd * BK;
       for (int64_t r = 0; r < R; r += PREFILL_MR) {
         const int rows = static_cast<int>(std::min<int64_t>(PREFILL_MR, R - r));
-        for (int64_t c = 0; c < BK; c += 2 * Vec::W)
-          qk_rows<PREFILL_MR>(rows, Q + r * hd, hd, Kt + c, BK, S + r * BK + c, BK);
+        with_rows(rows, [&](auto mr) {
+          for (int64_t c = 0; c < BK; c += 2 * Vec::W)
+            qk_tile<decltype(mr)::value>(Q + r * hd, hd, Kt + c, BK, S + r * BK + c, BK);
+        });
       }
       // the mask (positions past the query, before its window, past the context), then each
       // row's running maximum and sum, and its output so far rescaled (online softmax)
@@ -671,8 +663,10 @@ void prefill_attention_impl(const float* qp, const float* kp, const float* vp, f
       const float* Vb = vp + j0 * kv_row + g * hd;
       for (int64_t r = 0; r < R; r += PREFILL_MR) {
         const int rows = static_cast<int>(std::min<int64_t>(PREFILL_MR, R - r));
-        for (int64_t c = 0; c < hd; c += 2 * Vec::W)
-          pv_rows<PREFILL_MR>(rows, S + r * BK, BK, Vb + c, kv_row, n, O + r * hd + c, hd);
+        with_rows(rows, [&](auto mr) {
+          for (int64_t c = 0; c < hd; c += 2 * Vec::W)
+            pv_tile<decltype(mr)::value>(S + r * BK, BK, Vb + c, kv_row, n, O + r * hd + c, hd);
+        });
       }
     }
     for (int64_t r = 0; r < R; ++r) {

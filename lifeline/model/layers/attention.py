@@ -30,11 +30,10 @@ path."""
 
 NATIVE_PREFILL_MIN = 64
 """Prefill chunks of at least this many tokens take `lifeline_ext::prefill_attention` where it
-is built (a 512-token causal chunk 1.6-1.8x faster than PyTorch's flash kernel, docs/
-performance.md); shorter ones keep SDPA, where the attention is a few microseconds a layer
-either way and where the kernel's other float32 rounding, moving an int8 rounding step, parted
-the `int8-all` and `gguf-int8` layers from llama.cpp's greedy text on a 15-token prompt
-(tests/test_weight_format.py)."""
+is built, faster than PyTorch's flash kernel over expanded heads; shorter ones keep SDPA, where
+attention is microseconds a layer either way and where the kernel's other float32 rounding,
+moving an int8 rounding step, parted the `int8-all` and `gguf-int8` layers from llama.cpp's
+greedy text on a short prompt (docs/performance.md, "Prefill attention in C++")."""
 
 
 @dataclass(slots=True)
@@ -274,16 +273,13 @@ def native_prefill(q: torch.Tensor) -> bool:
     float32, a head size it tiles. Where not, PyTorch's flash kernel over expanded K/V does."""
     if q.device.type != "cpu" or q.dtype != torch.float32 or not native_ops():
         return False
-    multiple = _prefill_head_multiple()
-    return multiple > 0 and q.shape[-1] % multiple == 0
+    return q.shape[-1] % _prefill_head_multiple() == 0
 
 
 @functools.cache
 def _prefill_head_multiple() -> int:
-    """The head sizes the built kernel tiles are the multiples of this (two vectors); 0 where
-    the library predates it."""
-    ops = torch.ops.lifeline_ext
-    return ops.prefill_attention_head_multiple() if hasattr(ops, "prefill_attention") else 0
+    """The head sizes the built kernel tiles are the multiples of this (two of its vectors)."""
+    return torch.ops.lifeline_ext.prefill_attention_head_multiple()
 
 
 def _expand_heads(kv: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
