@@ -197,6 +197,8 @@ def test_behind_the_gateway_the_page_picks_a_backend_and_shows_its_requests(load
             page.wait_for_url("**/dashboard?backend=b", timeout=60000)
             page.wait_for_selector(_row(out.id), timeout=60000)
             assert page.locator("#backend").input_value() == "b"
+            # the row comes from the backfill, before the event stream answers: live once it has
+            page.wait_for_selector("body[data-events]", timeout=60000)
             assert page.get_attribute("#conn", "data-state") == "live"
             assert problems == []
         finally:
