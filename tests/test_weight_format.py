@@ -390,29 +390,3 @@ def test_int8_rows_are_the_bytes_torch_quantize_per_channel_gives(rotate):
     assert torch.equal(row_sums, expected.dequantize().sum(1))
     if not rotate:  # the ties did round to even
         assert values[0, :4].tolist() == [127, -30, -30, -28]
-
-
-@pytest.mark.parametrize("rotate", [0, 32])
-def test_a_head_packed_in_parts_gives_what_one_pack_gives(rotate, monkeypatch):
-    """A layer of more rows than `PACK_PART_ROWS` (a large vocabulary's head) is packed for
-    fbgemm in row ranges on threads of their own: its outputs, for a lone row and for
-    batches with and without rotation, are the bytes one pack of the whole gives."""
-    import lifeline.model.weight_format as wf
-
-    monkeypatch.setattr(wf, "onednn_int8", lambda: False)  # fbgemm's copy, on any CPU
-    gen = torch.Generator().manual_seed(11)
-    layer = nn.Linear(64, 1000, bias=False)
-    with torch.no_grad():
-        layer.weight.copy_(torch.randn(1000, 64, generator=gen) * torch.rand(1000, 1,
-                                                                            generator=gen))
-    monkeypatch.setattr(wf, "_workers", lambda: 3)
-    monkeypatch.setattr(wf, "PACK_PART_ROWS", 300)
-    parts = Int8Linear(layer, rescore_top=0, rotate=rotate, one_copy=True)
-    assert parts.packed is None and len(parts.packed_parts) == 3
-    monkeypatch.setattr(wf, "PACK_PART_ROWS", 10_000)
-    whole = Int8Linear(layer, rescore_top=0, rotate=rotate, one_copy=True)
-    assert whole.packed_parts is None and whole.packed is not None
-    assert torch.equal(parts.row_sums, whole.row_sums)
-    for rows in (1, 5):
-        x = torch.randn(rows, 64, generator=gen) + 0.5
-        assert torch.equal(parts(x), whole(x))

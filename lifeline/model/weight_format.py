@@ -149,23 +149,14 @@ class Int8Linear(nn.Module):
         outside any graph the compiler traces)."""
         self.onednn = onednn_int8() and (not one_copy or batches_only or head_onednn())
         one_copy = one_copy or batches_only
-        self.packed_parts: list[Any] | None = None
-        """fbgemm's packed weights in row ranges (each packed on a thread of its own: fbgemm
-        packs on one, 3 s for Gemma 3's head), where there are several; else `packed`."""
         weight = linear.weight.detach()
-        if self.onednn or len(parts := _row_parts(weight.shape[0])) == 1:
-            values, scales, row_sums = _quantize_rows(weight, self.rotation)
-            self.packed = None if one_copy and self.onednn else \
-                torch.ops.quantized.linear_prepack(_per_channel(values, scales), None)
-        else:  # fbgemm's copy only: quantized and packed part by part, the parts at once
-            def pack(rows: slice) -> tuple[Any, torch.Tensor]:
-                part_values, part_scales, part_sums = _quantize_rows(weight[rows], self.rotation)
-                return (torch.ops.quantized.linear_prepack(
-                    _per_channel(part_values, part_scales), None), part_sums)
-
-            packed = _on_threads(pack, parts)
-            self.packed, self.packed_parts = None, [p for p, _ in packed]
-            row_sums = torch.cat([sums for _, sums in packed])
+        values, scales, row_sums = _quantize_rows(weight, self.rotation)
+        # One pack, even of a vocabulary-sized head: packed in row ranges on threads of their
+        # own (fbgemm packs on one thread: 2.7 s for Gemma 3's head), its parts' outputs had to
+        # be joined on every call, a copy of 16 MB that took 4.9 ms of Gemma 3's 16-user step
+        # (docs/performance.md); the pack runs beside the other layers' conversions instead.
+        self.packed = None if one_copy and self.onednn else \
+            torch.ops.quantized.linear_prepack(_per_channel(values, scales), None)
         self.register_buffer("row_sums", row_sums.unsqueeze(0))
         self.reduce_range = fbgemm_saturates()
         if self.onednn:  # a second copy of the weights, in oneDNN's layout, for batches
@@ -220,13 +211,8 @@ class Int8Linear(nn.Module):
         return y.mul_(half).addmm_(mid, self.row_sums)  # in place: the head's rows are 1 MiB
 
     def _fbgemm(self, x: torch.Tensor) -> torch.Tensor:
-        """fbgemm's GEMM of float32 rows `x` (quantized per call) with the packed weights, part
-        by part where they are in parts (each part's columns are what the whole would give:
-        the same input scale, the same rows)."""
-        if self.packed_parts is None:
-            return torch.ops.quantized.linear_dynamic(x, self.packed, self.reduce_range)
-        return torch.cat([torch.ops.quantized.linear_dynamic(x, part, self.reduce_range)
-                          for part in self.packed_parts], dim=1)
+        """fbgemm's GEMM of float32 rows `x` (quantized per call) with the packed weights."""
+        return torch.ops.quantized.linear_dynamic(x, self.packed, self.reduce_range)
 
     def onednn_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """`int8_matmul` through oneDNN's u8 x s8 GEMM, which takes plain tensors: the compiler
@@ -413,21 +399,6 @@ def shortlist_argmax(approx: torch.Tensor, ids: torch.Tensor, exact: torch.Tenso
     best = exact.amax(-1, keepdim=True)
     token = torch.where(exact == best, ids, vocab).amin(-1)
     return torch.where(best.squeeze(-1) > approx.amin(-1), token, -1)
-
-
-PACK_PART_ROWS = 65536
-"""A layer of more rows than this (a large vocabulary's head) is quantized and packed for
-fbgemm in parts, one a thread (`_row_parts`)."""
-
-
-def _row_parts(rows: int) -> list[slice]:
-    """Row ranges to pack on threads of their own (`_on_threads`): one a worker where `rows`
-    exceeds `PACK_PART_ROWS`, else the whole."""
-    parts = _workers()
-    if rows <= PACK_PART_ROWS or parts < 2:
-        return [slice(0, rows)]
-    step = -(-rows // parts)
-    return [slice(start, min(rows, start + step)) for start in range(0, rows, step)]
 
 
 QUANTIZE_CHUNK_ROWS = 8192
