@@ -146,8 +146,8 @@ def test_large_batches_take_the_gemm_road_with_the_same_product(qtype, bf16):
     assert rel < (0.005 if bf16 else 1e-6), rel
 
 
-REPACKED = [T.Q4_0, T.Q4_1, T.Q4_K]
-"""The 4-bit types `gguf_repack` interleaves eight rows at a time (the one-row product's layout)."""
+REPACKED = [T.Q4_0, T.Q4_1, T.Q4_K, T.Q5_0]
+"""The types `gguf_repack` interleaves eight rows at a time (the one-row product's layout)."""
 
 
 def repacked(w: torch.Tensor, qtype: T, cols: int) -> tuple[torch.Tensor, int]:
@@ -156,7 +156,7 @@ def repacked(w: torch.Tensor, qtype: T, cols: int) -> tuple[torch.Tensor, int]:
     return torch.ops.lifeline_gguf.gguf_repack(w, int(qtype), cols), packed_type
 
 
-def test_only_the_4_bit_types_are_repacked():
+def test_only_the_types_with_an_interleaved_layout_are_repacked():
     for qtype in TYPES:
         assert (torch.ops.lifeline_gguf.gguf_repacked_type(int(qtype)) >= 0) == (qtype in REPACKED)
     with pytest.raises(RuntimeError, match="no repacked layout"):

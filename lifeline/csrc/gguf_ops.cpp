@@ -71,14 +71,20 @@ bool type_info(int64_t qtype, TypeInfo* info) {
 // high one), then the 8 rows' d and the 8 rows' m (w = d u + m) in the lane order the kernel's
 // horizontal adds leave them in (`X8_LANE`): fp16 as stored for Q4_1 (160 bytes), float32 for
 // Q4_0 and Q4_K (192 bytes: Q4_K's sub-block scale d * sc, exact in float32, not in fp16).
-enum : int64_t { X8_F16 = 1024, X8_F32 = 1025 };
+// Q5_0 (X8_Q5, 176 bytes, the file's own 22 bytes a row and block): the nibbles as above, the
+// 8 rows' d as stored (fp16; m = -16 d is not stored), then each row pair's fifth bits as two
+// 32-bit masks (bit i of the first: byte i of the pair's 32 bytes of low nibbles; of the
+// second: of its high nibbles).
+enum : int64_t { X8_F16 = 1024, X8_F32 = 1025, X8_Q5 = 1026 };
 constexpr int X8_LANE[8] = {0, 2, 4, 6, 1, 3, 5, 7};  // lane -> row of the group
 constexpr int X8_POS[8] = {0, 4, 1, 5, 2, 6, 3, 7};   // row of the group -> lane
 
-inline bool is_x8(int64_t qtype) { return qtype == X8_F16 || qtype == X8_F32; }
-inline int64_t x8_block_bytes(int64_t qtype) { return qtype == X8_F16 ? 160 : 192; }
+inline bool is_x8(int64_t qtype) { return qtype == X8_F16 || qtype == X8_F32 || qtype == X8_Q5; }
+inline int64_t x8_block_bytes(int64_t qtype) {
+  return qtype == X8_F16 ? 160 : qtype == X8_Q5 ? 176 : 192;
+}
 inline int64_t x8_type_for(int64_t qtype) {
-  return qtype == Q4_1 ? X8_F16 : qtype == Q4_0 || qtype == Q4_K ? X8_F32 : -1;
+  return qtype == Q4_1 ? X8_F16 : qtype == Q4_0 || qtype == Q4_K ? X8_F32 : qtype == Q5_0 ? X8_Q5 : -1;
 }
 
 inline float fp16(const uint8_t* p) {
@@ -329,7 +335,8 @@ inline __m256i dot32(__m256i u, __m256i x) {
   // u <= 63 (or <= 128 for Q8_0's magnitudes) and |x| <= 127: a pair's sum fits int16
   return _mm256_madd_epi16(_mm256_maddubs_epi16(u, x), _mm256_set1_epi16(1));
 }
-// dot32(lo, xl) + dot32(hi, xh) for 4-bit u (<= 15): each pair's int16 sum <= 3810, two <= 7620
+// dot32(lo, xl) + dot32(hi, xh) for 4- or 5-bit u (<= 31): each pair's int16 sum <= 7874, two
+// <= 15748
 inline __m256i dot64(__m256i lo, __m256i xl, __m256i hi, __m256i xh) {
   return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(lo, xl),
                                             _mm256_maddubs_epi16(hi, xh)),
@@ -432,7 +439,17 @@ void x8_unpack(int64_t qtype, const uint8_t* gp, int64_t b, int r, uint8_t* u, f
     u[i] = q[i] & 15;
     u[i + 16] = q[i] >> 4;
   }
-  if (qtype == X8_F16) {
+  if (qtype == X8_Q5) {
+    uint32_t lo, hi;
+    std::memcpy(&lo, p + 144 + 8 * (r / 2), 4);
+    std::memcpy(&hi, p + 148 + 8 * (r / 2), 4);
+    for (int i = 0; i < 16; ++i) {
+      u[i] |= ((lo >> (16 * (r % 2) + i)) & 1) << 4;
+      u[i + 16] |= ((hi >> (16 * (r % 2) + i)) & 1) << 4;
+    }
+    *d = fp16(p + 128 + 2 * X8_POS[r]);
+    *m = -16.f * *d;
+  } else if (qtype == X8_F16) {
     *d = fp16(p + 128 + 2 * X8_POS[r]);
     *m = fp16(p + 144 + 2 * X8_POS[r]);
   } else {
@@ -635,8 +652,9 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& w, int64_t qtype,
   return out;
 }
 
-// W's rows repacked eight at a time (X8_F16 / X8_F32, above) for `gguf_linear`: [ceil(M/8),
-// K/32 * block bytes], the last group padded with zero rows. Q4_0, Q4_1 and Q4_K only.
+// W's rows repacked eight at a time (X8_F16 / X8_F32 / X8_Q5, above) for `gguf_linear`:
+// [ceil(M/8), K/32 * block bytes], the last group padded with zero rows. Q4_0, Q4_1, Q4_K and
+// Q5_0 only.
 at::Tensor gguf_repack(const at::Tensor& w, int64_t qtype, int64_t K) {
   TypeInfo info;
   check_weight(w, qtype, K, &info, "gguf_repack");
@@ -660,6 +678,21 @@ at::Tensor gguf_repack(const at::Tensor& w, int64_t qtype, int64_t K) {
             std::memcpy(q, blk + 4, 16);
             std::memcpy(p + 128 + 2 * X8_POS[r], blk, 2);
             std::memcpy(p + 144 + 2 * X8_POS[r], blk + 2, 2);
+            continue;
+          }
+          if (qtype == Q5_0) {
+            const uint8_t* blk = src + b * 22;
+            std::memcpy(q, blk + 6, 16);
+            std::memcpy(p + 128 + 2 * X8_POS[r], blk, 2);
+            uint32_t qh, lo, hi;
+            std::memcpy(&qh, blk + 2, 4);
+            uint8_t* masks = p + 144 + 8 * (r / 2);
+            std::memcpy(&lo, masks, 4);
+            std::memcpy(&hi, masks + 4, 4);
+            lo |= (qh & 0xFFFFu) << (16 * (r % 2));
+            hi |= (qh >> 16) << (16 * (r % 2));
+            std::memcpy(masks, &lo, 4);
+            std::memcpy(masks + 4, &hi, 4);
             continue;
           }
           if (qtype == Q4_0) {
@@ -986,14 +1019,15 @@ void linear_rows(int64_t qtype, const uint8_t* wp, int64_t row_bytes, int64_t r0
   }
 }
 
-// ---- repacked weights (X8_F16 / X8_F32): eight rows a block, one activation row at a time
-// (the group's bytes stay in L1 between activation rows)
-template <bool F16>
+// ---- repacked weights (X8_F16 / X8_F32 / X8_Q5): eight rows a block, one activation row at
+// a time (the group's bytes stay in L1 between activation rows)
+template <int64_t XT>
 void x8_rows(const uint8_t* wp, int64_t g0, int64_t g1, const Acts& x, int64_t N, float* out,
              int64_t M) {
-  constexpr int64_t BB = F16 ? 160 : 192;
+  constexpr bool F16 = XT != X8_F32, Q5 = XT == X8_Q5;
+  constexpr int64_t BB = XT == X8_F16 ? 160 : Q5 ? 176 : 192;
   const int64_t K = x.K, nb = K / 32;
-  const __m256i m4 = _mm256_set1_epi8(0x0F);
+  const __m256i m4 = _mm256_set1_epi8(0x0F), fifth = _mm256_set1_epi8(0x10);
   for (int64_t g = g0; g < g1; ++g) {
     const uint8_t* gp = wp + g * nb * BB;
     for (int64_t n = 0; n < N; ++n) {
@@ -1009,11 +1043,22 @@ void x8_rows(const uint8_t* wp, int64_t g0, int64_t g1, const Acts& x, int64_t N
         __m256i v[4];
         for (int k = 0; k < 4; ++k) {
           const __m256i q = load32(p + 32 * k);
-          v[k] = dot64(_mm256_and_si256(q, m4), xl, _mm256_and_si256(_mm256_srli_epi16(q, 4), m4), xh);
+          __m256i lo = _mm256_and_si256(q, m4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), m4);
+          if constexpr (Q5) {  // u <= 31: a pair's int16 sum <= 7874, dot64's two <= 15748
+            uint32_t bl, bh;
+            std::memcpy(&bl, p + 144 + 8 * k, 4);
+            std::memcpy(&bh, p + 148 + 8 * k, 4);
+            lo = _mm256_or_si256(lo, _mm256_and_si256(bits_to_bytes(bl), fifth));
+            hi = _mm256_or_si256(hi, _mm256_and_si256(bits_to_bytes(bh), fifth));
+          }
+          v[k] = dot64(lo, xl, hi, xh);
         }
         const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
         __m256 d, m;
-        if constexpr (F16) {
+        if constexpr (Q5) {
+          d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 128)));
+          m = _mm256_mul_ps(d, _mm256_set1_ps(-16.f));
+        } else if constexpr (F16) {
           d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 128)));
           m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 144)));
         } else {
@@ -1039,9 +1084,11 @@ void x8_rows(const uint8_t* wp, int64_t g0, int64_t g1, const Acts& x, int64_t N
 void x8_linear(int64_t qtype, const uint8_t* wp, int64_t g0, int64_t g1, const Acts& x,
                int64_t N, float* out, int64_t M) {
   if (qtype == X8_F16)
-    x8_rows<true>(wp, g0, g1, x, N, out, M);
+    x8_rows<X8_F16>(wp, g0, g1, x, N, out, M);
+  else if (qtype == X8_Q5)
+    x8_rows<X8_Q5>(wp, g0, g1, x, N, out, M);
   else
-    x8_rows<false>(wp, g0, g1, x, N, out, M);
+    x8_rows<X8_F32>(wp, g0, g1, x, N, out, M);
 }
 
 // ---- dequantization (the GEMM road for large batches): 32 values at a time from registers
@@ -1127,9 +1174,17 @@ void x8_dequant_group(int64_t qtype, const uint8_t* gp, int64_t g, int64_t M, in
     const uint8_t* p = gp + b * BB;
     for (int r = 0; r < 8 && g * 8 + r < M; ++r) {
       const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (r / 2) * 32 + (r % 2) * 16));
-      const __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
+      __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
       float d, m;
-      if (qtype == X8_F16) {
+      if (qtype == X8_Q5) {  // the row's 16 bits of each mask: its values 0-15, then 16-31
+        uint32_t lo, hi;
+        std::memcpy(&lo, p + 144 + 8 * (r / 2), 4);
+        std::memcpy(&hi, p + 148 + 8 * (r / 2), 4);
+        const uint32_t bits = ((lo >> (16 * (r % 2))) & 0xFFFFu) | (((hi >> (16 * (r % 2))) & 0xFFFFu) << 16);
+        u = _mm256_or_si256(u, _mm256_and_si256(bits_to_bytes(bits), _mm256_set1_epi8(0x10)));
+        d = h16(p + 128 + 2 * X8_POS[r]);
+        m = -16.f * d;
+      } else if (qtype == X8_F16) {
         d = h16(p + 128 + 2 * X8_POS[r]);
         m = h16(p + 144 + 2 * X8_POS[r]);
       } else {

@@ -89,8 +89,8 @@ class GGUFLinear(nn.Module):
     int8 in blocks of 32 (llama.cpp's Q8_0 for activations) and dotted with the blocks as
     stored, or, from `GEMM_MIN_ROWS` rows (a prefill, a large batch), the weight decoded into a
     transient buffer for PyTorch's GEMM (`configure_gemm`). The weight's bytes are the file's
-    (a view of its memory map) or, for stacked or reordered rows, a copy of them; 4-bit types
-    (Q4_0, Q4_1, Q4_K) are repacked, eight rows interleaved (`lifeline_gguf::gguf_repack`: the
+    (a view of its memory map) or, for stacked or reordered rows, a copy of them; Q4_0, Q4_1,
+    Q4_K and Q5_0 are repacked, eight rows interleaved (`lifeline_gguf::gguf_repack`: the
     same values in a layout whose one-row product runs at the memory's pace, where the dot
     kernels spend ~10 cycles of scalar scale work a block), unless `repack=False`."""
 
