@@ -87,6 +87,15 @@ inline int64_t x8_type_for(int64_t qtype) {
   return qtype == Q4_1 ? X8_F16 : qtype == Q4_0 || qtype == Q4_K ? X8_F32 : qtype == Q5_0 ? X8_Q5 : -1;
 }
 
+// Row r's fifth bits in an X8_Q5 block at p: bit i for its value i (0-31).
+inline uint32_t x8_q5_bits(const uint8_t* p, int r) {
+  uint32_t lo, hi;
+  std::memcpy(&lo, p + 144 + 8 * (r / 2), 4);
+  std::memcpy(&hi, p + 148 + 8 * (r / 2), 4);
+  const int shift = 16 * (r % 2);
+  return ((lo >> shift) & 0xFFFFu) | (((hi >> shift) & 0xFFFFu) << 16);
+}
+
 inline float fp16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
@@ -440,13 +449,8 @@ void x8_unpack(int64_t qtype, const uint8_t* gp, int64_t b, int r, uint8_t* u, f
     u[i + 16] = q[i] >> 4;
   }
   if (qtype == X8_Q5) {
-    uint32_t lo, hi;
-    std::memcpy(&lo, p + 144 + 8 * (r / 2), 4);
-    std::memcpy(&hi, p + 148 + 8 * (r / 2), 4);
-    for (int i = 0; i < 16; ++i) {
-      u[i] |= ((lo >> (16 * (r % 2) + i)) & 1) << 4;
-      u[i + 16] |= ((hi >> (16 * (r % 2) + i)) & 1) << 4;
-    }
+    const uint32_t bits = x8_q5_bits(p, r);
+    for (int i = 0; i < 32; ++i) u[i] |= ((bits >> i) & 1) << 4;
     *d = fp16(p + 128 + 2 * X8_POS[r]);
     *m = -16.f * *d;
   } else if (qtype == X8_F16) {
@@ -1176,12 +1180,8 @@ void x8_dequant_group(int64_t qtype, const uint8_t* gp, int64_t g, int64_t M, in
       const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + (r / 2) * 32 + (r % 2) * 16));
       __m256i u = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(q, 4), q), _mm256_set1_epi8(0x0F));
       float d, m;
-      if (qtype == X8_Q5) {  // the row's 16 bits of each mask: its values 0-15, then 16-31
-        uint32_t lo, hi;
-        std::memcpy(&lo, p + 144 + 8 * (r / 2), 4);
-        std::memcpy(&hi, p + 148 + 8 * (r / 2), 4);
-        const uint32_t bits = ((lo >> (16 * (r % 2))) & 0xFFFFu) | (((hi >> (16 * (r % 2))) & 0xFFFFu) << 16);
-        u = _mm256_or_si256(u, _mm256_and_si256(bits_to_bytes(bits), _mm256_set1_epi8(0x10)));
+      if (qtype == X8_Q5) {
+        u = _mm256_or_si256(u, _mm256_and_si256(bits_to_bytes(x8_q5_bits(p, r)), _mm256_set1_epi8(0x10)));
         d = h16(p + 128 + 2 * X8_POS[r]);
         m = -16.f * d;
       } else if (qtype == X8_F16) {
